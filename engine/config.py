@@ -1,0 +1,124 @@
+"""Engine configuration: one dataclass shared by every role (colocated, prefill, decode)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "pdserve-tiny"
+
+
+def default_model() -> str:
+    """The bundled tiny model, found relative to the package so any working directory works."""
+    return os.environ.get("PDSERVE_MODEL", str(DEFAULT_MODEL_DIR))
+
+
+@dataclass
+class ModelConfig:
+    """The parts of a Hugging Face `config.json` the engine needs, normalised across families."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    eos_token_ids: list[int]
+    num_mtp_layers: int
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model: {model_dir!r} has no config.json (expected a Hugging Face checkpoint directory)")
+        cfg = json.loads(path.read_text())
+        model_type = cfg.get("model_type", "")
+        if model_type not in cls.SUPPORTED:
+            raise ValueError(f"model: architecture {model_type!r} is not supported (supported: {', '.join(cls.SUPPORTED)})")
+        # transformers >= 5 nests rope settings under `rope_parameters`; older versions use
+        # top-level `rope_theta` and `rope_scaling`. Accept both.
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_theta = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_scaling = cfg.get("rope_scaling") or None
+        if rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            rope_scaling.setdefault("rope_type", rope_scaling.get("type", "default"))
+            if rope_scaling["rope_type"] == "default":
+                rope_scaling = None
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        gen_cfg = Path(model_dir) / "generation_config.json"
+        if gen_cfg.is_file():
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id", eos)
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        sliding = cfg.get("sliding_window") if model_type == "mistral" else None
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 has q/k/v biases without saying so in its config.
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding,
+            eos_token_ids=eos_ids,
+            num_mtp_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0),
+            raw=cfg,
+        )
+
+
+@dataclass
+class EngineConfig:
+    """Engine arguments; names follow vLLM's where they exist."""
+
+    model: str = field(default_factory=default_model)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_memory_fraction: float = 0.05  # of host RAM (CPU) or free device memory (CUDA), when num_kv_blocks is unset
+    enable_prefix_caching: bool = True
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads for this process
+
+    def validate(self, model_cfg: ModelConfig) -> None:
+        if self.max_model_len is None:
+            self.max_model_len = min(model_cfg.max_position_embeddings, 4096)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")

@@ -1,0 +1,60 @@
+"""The scheduler <-> worker contract for one step (DESIGN.md §3.1). Plain data, nothing else."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request entering a slot this step (fresh, resumed after preemption, or a PD handoff)."""
+
+    req_id: str
+    prompt_len: int
+    all_token_ids: list[int]      # prompt (+ outputs for a resumed request, + t0 for a PD handoff)
+    num_computed_tokens: int
+    block_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class CachedRequestData:
+    """A request already in a slot. `num_computed_tokens` is authoritative (I4)."""
+
+    req_id: str
+    num_computed_tokens: int
+    new_block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # Insertion order is the batch order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one generated token: its own, its rank, and the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RunnerOutput:
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]        # per request: accepted tokens ([] for a mid-prefill chunk)
+    draft_token_ids: list[list[int]]          # per request: drafts proposed for the next step
+    logprobs: list[list[TokenLogprobs]] | None = None

@@ -1,0 +1,94 @@
+"""Shared fixtures: random-weight checkpoints written by transformers' save_pretrained, and a
+transformers fp32 greedy reference to compare against token for token."""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("PDSERVE_DEBUG_INVARIANTS", "1")
+torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parents[1]
+BUNDLED_MODEL = REPO / "models" / "pdserve-tiny"
+
+ARCHS = {
+    # GQA everywhere; untied + llama3 rope scaling + non-default theta; tied Qwen2 with q/k/v biases;
+    # Qwen3 with q/k norm and an explicit head_dim that differs from hidden/heads.
+    "llama": dict(cls="LlamaConfig", tie_word_embeddings=False, rope_theta=50000.0,
+                  rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 128}),
+    "qwen2": dict(cls="Qwen2Config", tie_word_embeddings=True, rope_theta=1e6),
+    "qwen3": dict(cls="Qwen3Config", tie_word_embeddings=False, head_dim=24, rope_theta=20000.0),
+}
+
+
+def make_checkpoint(arch: str, path: Path, vocab_size: int = 384, seed: int = 0) -> Path:
+    import transformers
+
+    spec = dict(ARCHS[arch])
+    cls = getattr(transformers, spec.pop("cls"))
+    cfg = cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+              initializer_range=0.08, bos_token_id=None, eos_token_id=1, pad_token_id=0, **spec)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {arch: make_checkpoint(arch, root / arch) for arch in ARCHS}
+
+
+class Reference:
+    """transformers greedy generation (fp32, EOS ignored) with per-step logits, cached per prompt."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.cache: dict[tuple[tuple[int, ...], int], tuple[list[int], torch.Tensor]] = {}
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        key = (tuple(prompt), max_new_tokens)
+        if key not in self.cache:
+            with torch.no_grad():
+                out = self.model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                          do_sample=False, eos_token_id=None, pad_token_id=0,
+                                          output_logits=True, return_dict_in_generate=True)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            self.cache[key] = (tokens, torch.stack(out.logits, 0)[:, 0].float())
+        return self.cache[key]
+
+    def assert_matches(self, prompt: list[int], ours: list[int], max_new_tokens: int, label: str = "") -> bool:
+        """Exact match, or a first difference where the reference's top-2 logits are a float-noise tie.
+
+        Returns True when the sequences are identical.
+        """
+        ref, logits = self.generate(prompt, max_new_tokens)
+        assert len(ours) == len(ref), f"{label}: generated {len(ours)} tokens, reference {len(ref)}"
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            if a != b:
+                top2 = logits[i].topk(2).values
+                gap = float(top2[0] - top2[1])
+                assert gap < 1e-4, (f"{label}: token {i} differs (ours {a}, transformers {b}) and the reference's "
+                                    f"top-2 logit gap is {gap:.3g}, not a float-noise tie")
+                return False
+        return True
+
+
+@pytest.fixture(scope="session")
+def references(checkpoints) -> dict[str, Reference]:
+    return {arch: Reference(path) for arch, path in checkpoints.items()}
+
+
+def random_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [min_len, max_len] + [rng.randint(min_len, max_len) for _ in range(n - 2)]
+    return [[rng.randrange(2, vocab) for _ in range(length)] for length in lengths]

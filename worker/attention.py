@@ -1,0 +1,96 @@
+"""Paged attention in torch, driven by a per-step context.
+
+The runner builds one `AttentionContext` per step (slot mapping, gather indices, mask); every
+layer then writes its new K/V into the paged cache and attends over the gathered blocks. The
+model only calls `ctx.attend(layer, q, k, v)` and never sees block tables.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class StepLayout:
+    """Host-side description of one step's batch (all arrays indexed by batch row)."""
+
+    block_tables: np.ndarray     # [B, max_blocks] int32, physical block ids of each row
+    num_computed: np.ndarray     # [B] tokens already in the cache before this step
+    query_lens: np.ndarray       # [B] tokens computed this step
+
+    @property
+    def query_start_loc(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.query_lens)]).astype(np.int32)
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return self.num_computed + self.query_lens
+
+    def positions(self) -> np.ndarray:
+        qsl = self.query_start_loc
+        total = int(qsl[-1])
+        row = np.repeat(np.arange(len(self.query_lens)), self.query_lens)
+        return (self.num_computed[row] + (np.arange(total) - qsl[:-1][row])).astype(np.int64)
+
+
+class AttentionContext:
+    """Everything attention needs for one step, computed once and shared by all layers."""
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: StepLayout, block_size: int,
+                 device: torch.device, sliding_window: int | None = None) -> None:
+        self.kv_caches = kv_caches
+        b = len(layout.query_lens)
+        qsl = layout.query_start_loc
+        positions = layout.positions()
+        row = np.repeat(np.arange(b), layout.query_lens)
+        bt = layout.block_tables.astype(np.int64)
+        slot_mapping = bt[row, positions // block_size] * block_size + positions % block_size
+
+        max_q, max_kv = int(layout.query_lens.max()), int(layout.seq_lens.max())
+        i = np.arange(max_q)[None, :]
+        j = np.arange(max_kv)[None, :]
+        q_valid = i < layout.query_lens[:, None]
+        q_gather = np.where(q_valid, qsl[:-1, None] + i, 0)
+        kv_valid = j < layout.seq_lens[:, None]
+        blk = np.minimum(j // block_size, bt.shape[1] - 1)
+        kv_gather = np.where(kv_valid, bt[np.arange(b)[:, None], blk] * block_size + j % block_size, 0)
+        # Query i of row r sits at absolute position num_computed[r] + i and sees keys j <= that.
+        q_pos = layout.num_computed[:, None, None] + i[:, :, None]   # [B, max_q, 1]
+        mask = (j[:, None, :] <= q_pos) & kv_valid[:, None, :]
+        if sliding_window is not None:
+            mask &= j[:, None, :] > q_pos - sliding_window
+        mask |= ~q_valid[:, :, None] & (j[:, None, :] == 0)  # padding rows attend somewhere: no NaNs
+
+        self.positions = torch.from_numpy(positions).to(device)
+        self.slot_mapping = torch.from_numpy(slot_mapping).to(device)
+        self.q_gather = torch.from_numpy(q_gather).to(device)
+        self.q_valid = torch.from_numpy(q_valid).to(device)
+        self.kv_gather = torch.from_numpy(kv_gather).to(device)
+        self.mask = torch.from_numpy(mask).unsqueeze(1).to(device)  # [B, 1, max_q, max_kv]
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] for this step's tokens. Returns [T, H, D]."""
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+        keys = k_cache[self.kv_gather].transpose(1, 2)      # [B, Hkv, max_kv, D]
+        values = v_cache[self.kv_gather].transpose(1, 2)
+        queries = q[self.q_gather].transpose(1, 2)          # [B, H, max_q, D]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask,
+                                             enable_gqa=queries.shape[1] != keys.shape[1])
+        return out.transpose(1, 2)[self.q_valid]
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, device: str) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One tensor `[layers, 2, blocks, block_size, kv_heads, head_dim]` plus flat per-layer (k, v) views.
+
+    Block `b` of layer `l` is `cache[l, :, b]`: the unit the KV transfer ships.
+    """
+    cache = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    views = [(cache[l, 0].view(-1, num_kv_heads, head_dim), cache[l, 1].view(-1, num_kv_heads, head_dim))
+             for l in range(num_layers)]
+    return cache, views

@@ -1,0 +1,116 @@
+"""Per-request state in fixed, reused slots (DESIGN.md §3), as explicit arrays indexed by slot.
+
+Host arrays (numpy) hold what the CPU needs to build a step; device tensors hold what kernels
+read. Slots are handed out LIFO so that a stale-state bug shows at once.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.sampling_params import SamplingParams
+from scheduler.output import CachedRequestData, NewRequestData
+
+
+class RequestStates:
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_req: int, max_draft_tokens: int,
+                 device: torch.device) -> None:
+        s, i32 = max_num_seqs, np.int32
+        self.max_num_seqs = s
+        self.device = device
+        self.free_slots: list[int] = list(range(s - 1, -1, -1))
+        self.req_id_to_slot: dict[str, int] = {}
+        self.slot_req_id: list[str | None] = [None] * s
+
+        # Host side.
+        self.prompt_len = np.zeros(s, i32)
+        self.prefill_len = np.zeros(s, i32)          # tokens fed from all_token_ids before decode starts
+        self.total_len_np = np.zeros(s, i32)          # mirror of `total_len`
+        self.num_computed_tokens_np = np.zeros(s, i32)  # mirror of the scheduler's value (I4: overwritten, never incremented)
+        self.num_computed_prefill_tokens = np.zeros(s, i32)
+        self.num_draft_tokens = np.zeros(s, i32)      # valid entries of draft_tokens[slot]
+        self.block_table = np.zeros((s, max_blocks_per_req), i32)
+        self.num_blocks = np.zeros(s, i32)
+        self.sampling_params: list[SamplingParams | None] = [None] * s
+        self.generators: list[torch.Generator | None] = [None] * s
+
+        # Device side.
+        self.all_token_ids = torch.zeros(s, max_model_len, dtype=torch.int32, device=device)
+        self.total_len = torch.zeros(s, dtype=torch.int32, device=device)
+        self.num_computed_tokens = torch.zeros(s, dtype=torch.int32, device=device)
+        self.last_sampled_tokens = torch.zeros(s, dtype=torch.int32, device=device)
+        # -1 marks "no draft" (I3); at least one column so kernels never see a 0-sized axis.
+        self.draft_tokens = torch.full((s, max(1, max_draft_tokens)), -1, dtype=torch.int32, device=device)
+
+    # -- admission / removal -------------------------------------------------------------
+
+    def add_request(self, new: NewRequestData) -> int:
+        if not self.free_slots:
+            raise RuntimeError("no free request slot: the scheduler admitted more than max_num_seqs requests")
+        slot = self.free_slots.pop()
+        self.req_id_to_slot[new.req_id] = slot
+        self.slot_req_id[slot] = new.req_id
+
+        tokens = new.all_token_ids
+        total, computed = len(tokens), new.num_computed_tokens
+        # A request with every token but the last already in the KV cache (a PD handoff, or a
+        # resumed request whose prefix is cached) starts in decode and feeds last_sampled next.
+        prefill_len = computed if 0 < computed == total - 1 else total
+        self.prompt_len[slot] = new.prompt_len
+        self.prefill_len[slot] = prefill_len
+        self.total_len_np[slot] = total
+        self.total_len[slot : slot + 1] = total
+        self.all_token_ids[slot, :total] = torch.tensor(tokens, dtype=torch.int32).to(self.device, non_blocking=True)
+        self.num_computed_tokens_np[slot] = computed
+        self.num_computed_prefill_tokens[slot] = min(computed, prefill_len)
+        self.num_computed_tokens[slot : slot + 1] = computed
+
+        # I2: reset everything that can be read before it is written, on every admission.
+        self.draft_tokens[slot].fill_(-1)
+        self.num_draft_tokens[slot] = 0
+        if computed > 0:
+            self.seed_last_sampled(slot, tokens[total - 1])
+
+        self.num_blocks[slot] = 0
+        self.block_table[slot] = 0
+        self.append_blocks(slot, new.block_ids)
+
+        params = new.sampling_params
+        self.sampling_params[slot] = params
+        self.generators[slot] = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+            self.generators[slot] = gen
+        return slot
+
+    def seed_last_sampled(self, slot: int, token: int) -> None:
+        # Slice assignment from a Python int is a fill: no host/device sync on admission.
+        self.last_sampled_tokens[slot : slot + 1] = token
+
+    def update_request(self, cached: CachedRequestData) -> None:
+        slot = self.req_id_to_slot[cached.req_id]
+        self.num_computed_tokens_np[slot] = cached.num_computed_tokens  # I4: the scheduler's value wins
+        self.append_blocks(slot, cached.new_block_ids)
+
+    def refresh_computed_prefill(self) -> None:
+        np.minimum(self.num_computed_tokens_np, self.prefill_len, out=self.num_computed_prefill_tokens)
+
+    def append_blocks(self, slot: int, block_ids: list[int]) -> None:
+        n, k = int(self.num_blocks[slot]), len(block_ids)
+        if k:
+            self.block_table[slot, n : n + k] = block_ids
+            self.num_blocks[slot] = n + k
+
+    def remove_request(self, req_id: str) -> None:
+        slot = self.req_id_to_slot.pop(req_id, None)
+        if slot is None:
+            return
+        self.slot_req_id[slot] = None
+        self.sampling_params[slot] = None
+        self.generators[slot] = None
+        self.free_slots.append(slot)  # LIFO: the next admission reuses this slot
+
+    def is_prefilling(self, slots: np.ndarray) -> np.ndarray:
+        """I5: per request, from num_computed vs prefill_len; never from the query length."""
+        return self.num_computed_prefill_tokens[slots] < self.prefill_len[slots]
