@@ -1,0 +1,57 @@
+"""What the HTTP front end needs from the engines, whatever runs them (in-process, colocated
+process, or a prefill/decode pair over ZMQ)."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.sampling_params import SamplingParams
+from scheduler.output import TokenLogprobs
+
+
+@dataclass
+class GenerationChunk:
+    """New tokens of one request. The last chunk of a request has `finish_reason` set
+    ("stop", "length", "abort", or "error" with `error` holding a message)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class InstanceInfo:
+    """One engine instance as /metrics and /health see it."""
+
+    name: str           # e.g. "prefill-0", "decode-1", "colocated-0"
+    role: str           # "prefill" | "decode" | "colocated"
+    ready: bool
+    kv_blocks_free: int
+    kv_blocks_total: int
+    num_running: int
+    num_waiting: int
+    counters: dict[str, float] = field(default_factory=dict)  # monotonically increasing engine counters
+
+
+class EngineClient(Protocol):
+    """Implemented by server.local_client.LocalEngineClient (in-process) and the PD router client."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+        """Submit and stream the request. Raises ValueError (bad input) before yielding anything.
+        If the consumer stops iterating early (client disconnect), the request must be aborted."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def is_ready(self) -> bool: ...
+
+    def instances(self) -> list[InstanceInfo]: ...
