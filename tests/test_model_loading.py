@@ -1,0 +1,70 @@
+"""Checkpoint loading: sharded files, unused keys, missing keys, dtypes (issue: core engine)."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import make_checkpoint, random_prompts
+from engine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def test_sharded_checkpoint_loads(tmp_path, references):
+    import transformers
+
+    src = references["llama"].model
+    src.save_pretrained(tmp_path, max_shard_size="60KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    prompts = random_prompts(4, 3, 40, 384, 51)
+    llm = LLM(str(tmp_path), max_model_len=128)
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY)):
+        references["llama"].assert_matches(p, o.token_ids, 12)
+
+
+def test_unused_keys_ignored_with_one_log_line_and_missing_key_named(tmp_path, caplog):
+    ckpt = make_checkpoint("qwen2", tmp_path / "m")
+    weights = load_file(ckpt / "model.safetensors")
+    extra = dict(weights)
+    extra["model.mtp_layers.0.input_proj.weight"] = torch.zeros(64, 128)
+    extra["model.mtp_layers.0.final_layernorm.weight"] = torch.ones(64)
+    save_file(extra, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="worker.model_loader"):
+        LLM(str(ckpt), max_model_len=64).shutdown()
+    lines = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+    assert len(lines) == 1 and "2 checkpoint keys" in lines[0] and "mtp_layers" in lines[0]
+
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing key 'model.layers.1.mlp.up_proj.weight'"):
+        LLM(str(ckpt), max_model_len=64)
+
+
+def test_rope_theta_read_from_top_level_and_rope_parameters(tmp_path, references):
+    """transformers 5 writes rope_parameters; older checkpoints carry top-level rope_theta."""
+    import shutil
+
+    src = references["qwen2"].model
+    src.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    theta = cfg.pop("rope_parameters")["rope_theta"]
+    cfg["rope_theta"] = theta
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    prompts = random_prompts(3, 50, 120, 384, 52)
+    llm = LLM(str(tmp_path), max_model_len=256)
+    for p, o in zip(prompts, llm.generate(prompts, GREEDY)):
+        references["qwen2"].assert_matches(p, o.token_ids, 12)
+    shutil.rmtree(tmp_path)
+
+
+def test_bfloat16_runs_and_mostly_agrees(checkpoints, references):
+    prompts = random_prompts(6, 5, 60, 384, 53)
+    llm = LLM(str(checkpoints["qwen3"]), max_model_len=128, dtype="bfloat16")
+    assert llm.engine.runner.model.lm_head.weight.dtype == torch.bfloat16
+    outs = llm.generate(prompts, GREEDY)
+    first_agree = sum(o.token_ids[0] == references["qwen3"].generate(p, 12)[0][0] for p, o in zip(prompts, outs))
+    assert all(len(o.token_ids) == 12 for o in outs) and first_agree >= 4
