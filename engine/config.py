@@ -109,6 +109,13 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads for this process
+    speculative_method: str | None = None  # "mtp", "ngram" or None
+    num_speculative_tokens: int = 2
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots beyond the scheduled tokens that drafting writes into (recursive MTP drafts)."""
+        return self.num_speculative_tokens if self.speculative_method else 0
 
     def validate(self, model_cfg: ModelConfig) -> None:
         if self.max_model_len is None:
@@ -120,5 +127,11 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.speculative_method in ("none", ""):
+            self.speculative_method = None
+        if self.speculative_method not in (None, "mtp", "ngram"):
+            raise ValueError(f"speculative_method must be 'mtp', 'ngram' or 'none', got {self.speculative_method!r}")
+        if self.speculative_method and not 1 <= self.num_speculative_tokens <= 8:
+            raise ValueError(f"num_speculative_tokens must be in [1, 8], got {self.num_speculative_tokens}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")

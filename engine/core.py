@@ -45,7 +45,7 @@ class EngineCore:
                              f"request of max_model_len={config.max_model_len}; raise num_kv_blocks or lower max_model_len")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-                                   self.block_manager)
+                                   self.block_manager, config.num_lookahead_tokens)
         logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens", config.model, config.dtype,
                     config.device, num_blocks, config.block_size)
 

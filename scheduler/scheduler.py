@@ -9,13 +9,37 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.request import Request, RequestStatus
 from scheduler.block_manager import BlockManager
 from scheduler.output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Acceptance counters, exported under vLLM's spec_decode_* metric names."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verify step: 1 (the bonus) + accepted drafts, as vLLM reports it."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
 @dataclass
@@ -30,8 +54,10 @@ class RequestUpdate:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_manager: BlockManager) -> None:
+                 block_manager: BlockManager, num_lookahead_tokens: int = 0) -> None:
         self.max_num_seqs = max_num_seqs
+        # Speculative decoding writes draft KV this far past the scheduled tokens: reserve blocks for it.
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.blocks = block_manager
@@ -41,6 +67,7 @@ class Scheduler:
         # Slots the runner must free at the start of the next step.
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
 
     # -- queue management ------------------------------------------------------------------
 
@@ -71,14 +98,14 @@ class Scheduler:
             num_uncomputed = request.num_tokens - request.num_computed_tokens
             num_new = min(num_uncomputed + len(request.spec_token_ids), budget,
                           self.max_model_len - request.num_computed_tokens)
-            new_blocks = self.blocks.allocate(request, num_new)
+            new_blocks = self.blocks.allocate(request, num_new + self.num_lookahead_tokens)
             while new_blocks is None:
                 victim = self.running.pop()  # newest first: it has the least work to lose
                 self._preempt(victim)
                 out.preempted_req_ids.add(victim.req_id)
                 if victim is request:
                     break
-                new_blocks = self.blocks.allocate(request, num_new)
+                new_blocks = self.blocks.allocate(request, num_new + self.num_lookahead_tokens)
             if new_blocks is None:
                 break
             out.cached_requests.append(CachedRequestData(request.req_id, request.num_computed_tokens, new_blocks))
@@ -95,7 +122,7 @@ class Scheduler:
             cached = self.blocks.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             num_computed = request.num_computed_tokens + len(cached) * self.blocks.block_size
             num_new = min(request.num_tokens - num_computed, budget)
-            if self.blocks.allocate(request, num_new, cached) is None:
+            if self.blocks.allocate(request, num_new + self.num_lookahead_tokens, cached) is None:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_computed
@@ -120,8 +147,10 @@ class Scheduler:
             if sampled:
                 # Verified 1 + k positions, kept len(sampled) tokens: the KV of the rejected
                 # drafts is garbage and must be recomputed (I4: only the scheduler adjusts this).
-                rejected = sched.num_draft_tokens.get(req_id, 0) + 1 - len(sampled)
-                request.num_computed_tokens -= rejected
+                num_drafts = sched.num_draft_tokens.get(req_id, 0)
+                request.num_computed_tokens -= num_drafts + 1 - len(sampled)
+                if num_drafts:
+                    self.spec_stats.record(num_drafts, len(sampled) - 1)
             request.spec_token_ids = list(result.draft_token_ids[idx]) if result.draft_token_ids else []
             self.blocks.cache_full_blocks(request)
 

@@ -92,3 +92,45 @@ def random_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int) ->
     rng = random.Random(seed)
     lengths = [min_len, max_len] + [rng.randint(min_len, max_len) for _ in range(n - 2)]
     return [[rng.randrange(2, vocab) for _ in range(length)] for length in lengths]
+
+
+def add_mtp_layer(model_dir: Path, seed: int = 1, std: float = 0.08) -> Path:
+    """Append one random MiMo-style MTP layer (DESIGN.md §4 key layout) to a checkpoint in place."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.config import ModelConfig
+    from worker.models.mtp import MTPLayer
+
+    cfg = ModelConfig.from_dir(model_dir)
+    torch.manual_seed(seed)
+    layer = MTPLayer(cfg, cfg.num_hidden_layers)
+    weights = load_file(model_dir / "model.safetensors")
+    for name, tensor in layer.state_dict().items():
+        if name.endswith("norm.weight"):
+            value = torch.ones_like(tensor)
+        elif name.endswith("bias"):
+            value = torch.randn_like(tensor) * std
+        else:
+            value = torch.randn_like(tensor) * std
+        weights[f"model.mtp_layers.0.{name}"] = value.contiguous()
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def mtp_checkpoints(checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """The same random checkpoints plus a random MTP layer (drafts mostly rejected)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("mtp")
+    out = {}
+    for arch, path in checkpoints.items():
+        dst = root / arch
+        shutil.copytree(path, dst)
+        out[arch] = add_mtp_layer(dst)
+    return out

@@ -74,10 +74,14 @@ def all_checkpoint_keys(model_dir: Path) -> set[str]:
     return keys
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str, max_positions: int) -> CausalLM:
+def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str, max_positions: int,
+               num_mtp_layers: int = 0) -> CausalLM:
     model_dir = Path(model_dir)
+    if num_mtp_layers > cfg.num_mtp_layers:
+        raise ValueError(f"speculative_method: 'mtp' needs MTP layers, but {str(model_dir)!r} has "
+                         f"num_nextn_predict_layers={cfg.num_mtp_layers}; use 'ngram' or none")
     with torch.device("meta"):
-        model = CausalLM(cfg, max_positions)
+        model = CausalLM(cfg, max_positions, num_mtp_layers)
     model = model.to_empty(device=device).to(DTYPES[dtype])
     # to_empty leaves the non-persistent RoPE tables uninitialised: rebuild them for real.
     model.model.rotary_emb = type(model.model.rotary_emb)(cfg, max_positions).to(device)
@@ -87,5 +91,5 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
     used = load_state_into(model, model_dir, skip=frozenset({"lm_head.weight"}) if cfg.tie_word_embeddings else frozenset())
     unused = sorted(all_checkpoint_keys(model_dir) - used - {"lm_head.weight"})
     if unused:
-        logger.info("ignoring %d checkpoint keys the target model does not use (e.g. %s)", len(unused), unused[0])
+        logger.info("ignoring %d checkpoint keys the model does not use (e.g. %s)", len(unused), unused[0])
     return model.eval()

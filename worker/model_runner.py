@@ -17,7 +17,9 @@ from scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from worker import invariants, kernels
 from worker.attention import AttentionContext, StepLayout, allocate_kv_caches
 from worker.model_loader import DTYPES, load_model
-from worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from worker.drafter import MTPDrafter, NgramDrafter, StepBatch
+from worker.rejection_sampler import RejectionSampler
+from worker.sampler import Sampler, SamplingMetadata
 from worker.states import RequestStates
 
 logger = logging.getLogger(__name__)
@@ -45,15 +47,25 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         max_len = config.max_model_len
-        self.model = load_model(Path(config.model), model_cfg, config.dtype, config.device, max_positions=max_len + 8)
-        self.num_kv_blocks = num_kv_blocks_for(config, model_cfg, model_cfg.num_hidden_layers)
+        self.num_spec = config.num_speculative_tokens if config.speculative_method else 0
+        num_mtp = 1 if config.speculative_method == "mtp" else 0
+        lookahead = config.num_lookahead_tokens
+        self.model = load_model(Path(config.model), model_cfg, config.dtype, config.device,
+                                max_positions=max_len + lookahead + 8, num_mtp_layers=num_mtp)
+        self.num_kv_layers = model_cfg.num_hidden_layers + num_mtp  # MTP layers get their own paged cache
+        self.num_kv_blocks = num_kv_blocks_for(config, model_cfg, self.num_kv_layers)
         self.kv_cache, self.kv_views = allocate_kv_caches(
-            model_cfg.num_hidden_layers, self.num_kv_blocks, self.block_size, model_cfg.num_key_value_heads,
+            self.num_kv_layers, self.num_kv_blocks, self.block_size, model_cfg.num_key_value_heads,
             model_cfg.head_dim, DTYPES[config.dtype], config.device)
-        self.max_draft_tokens = 0
-        self.states = RequestStates(config.max_num_seqs, max_len, -(-max_len // self.block_size) + 1,
-                                    self.max_draft_tokens, self.device)
+        self.states = RequestStates(config.max_num_seqs, max_len, -(-(max_len + lookahead) // self.block_size) + 1,
+                                    self.num_spec, self.device)
         self.sampler = Sampler(seed=config.seed, device=self.device)
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.drafter: MTPDrafter | NgramDrafter | None = None
+        if config.speculative_method == "mtp":
+            self.drafter = MTPDrafter(self.model, self.states, self.kv_views, self.block_size, self.num_spec, self.device)
+        elif config.speculative_method == "ngram":
+            self.drafter = NgramDrafter(self.states, self.num_spec)
         self.eos_token_ids = model_cfg.eos_token_ids
         self.check_invariants = invariants.enabled()
 
@@ -64,39 +76,34 @@ class ModelRunner:
         self._update_states(sched)
         if not sched.num_scheduled_tokens:
             return RunnerOutput([], [], [])
+        batch = self._build_batch(sched)
+        if self.check_invariants:
+            invariants.check_step(self.states, sched, batch.req_ids, batch.slots, batch.is_prefilling, batch.num_drafts)
 
-        req_ids = list(sched.num_scheduled_tokens)
+        input_ids = self._prepare_input_ids(batch)
+        ctx = AttentionContext(self.kv_views, batch.layout, self.block_size, self.device, self.model_cfg.sliding_window)
+        hidden = self.model(input_ids, ctx.positions, ctx)
+        accepted, logprobs = self._sample(batch, hidden)
+        self._write_back(batch, accepted)
+        drafts = [[] for _ in batch.req_ids]
+        if self.drafter is not None:
+            drafts = self.drafter.propose(batch, hidden, ctx, accepted)
+            self._store_drafts(batch, drafts)
+        return RunnerOutput(batch.req_ids, accepted, drafts, logprobs)
+
+    # -- pieces --------------------------------------------------------------------------
+
+    def _build_batch(self, sched: SchedulerOutput) -> StepBatch:
         st = self.states
+        req_ids = list(sched.num_scheduled_tokens)
         slots = np.array([st.req_id_to_slot[r] for r in req_ids], dtype=np.int32)
         query_lens = np.array([sched.num_scheduled_tokens[r] for r in req_ids], dtype=np.int32)
         num_drafts = np.array([sched.num_draft_tokens.get(r, 0) for r in req_ids], dtype=np.int32)
         num_computed = st.num_computed_tokens_np[slots]
-        is_prefilling = st.is_prefilling(slots)
         # A row samples once every token it knows of has been computed (not mid-prefill).
-        samples = num_computed + query_lens >= st.total_len_np[slots]
-        if self.check_invariants:
-            invariants.check_step(st, sched, req_ids, slots, is_prefilling, num_drafts)
-
-        layout = StepLayout(st.block_table[slots], num_computed, query_lens)
-        input_ids = self._prepare_input_ids(slots, layout, is_prefilling, num_drafts)
-        ctx = AttentionContext(self.kv_views, layout, self.block_size, self.device, self.model_cfg.sliding_window)
-        hidden = self.model(input_ids, ctx.positions, ctx)
-
-        sample_rows = np.nonzero(samples)[0]
-        sampled = [[] for _ in req_ids]
-        logprobs: list[list[TokenLogprobs]] | None = None
-        if len(sample_rows):
-            last_pos = torch.from_numpy(layout.query_start_loc[1:][sample_rows] - 1).to(self.device)
-            logits = self.model.compute_logits(hidden[last_pos])
-            out = self.sampler(logits, self._sampling_metadata(slots[sample_rows]))
-            self._write_back(slots, sample_rows, out.sampled_token_ids)
-            tokens = out.sampled_token_ids.tolist()  # the step's one sync: outputs go to the CPU scheduler
-            for row, tok in zip(sample_rows.tolist(), tokens):
-                sampled[row] = [tok]
-            logprobs = self._logprobs(out, slots, sample_rows, len(req_ids))
-        return RunnerOutput(req_ids, sampled, [[] for _ in req_ids], logprobs)
-
-    # -- pieces --------------------------------------------------------------------------
+        samples = num_computed + query_lens - num_drafts >= st.total_len_np[slots]
+        return StepBatch(req_ids, slots, StepLayout(st.block_table[slots], num_computed, query_lens),
+                         num_drafts, st.is_prefilling(slots), samples)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         st = self.states
@@ -114,9 +121,9 @@ class ModelRunner:
             idx = torch.tensor(slots, dtype=torch.long, device=self.device)
             st.num_computed_tokens[idx] = torch.from_numpy(st.num_computed_tokens_np[slots]).to(self.device)
 
-    def _prepare_input_ids(self, slots: np.ndarray, layout: StepLayout, is_prefilling: np.ndarray,
-                           num_drafts: np.ndarray) -> torch.Tensor:
+    def _prepare_input_ids(self, batch: StepBatch) -> torch.Tensor:
         st, dev = self.states, self.device
+        slots, layout, is_prefilling, num_drafts = batch.slots, batch.layout, batch.is_prefilling, batch.num_drafts
         qsl = layout.query_start_loc
         input_ids = torch.empty(int(qsl[-1]), dtype=torch.int32, device=dev)
         idx_t = torch.from_numpy(slots).to(dev)
@@ -128,15 +135,47 @@ class ModelRunner:
                                                  torch.from_numpy(num_drafts).to(dev), idx_t, qsl_t, prefill_t)
         return input_ids
 
-    def _write_back(self, slots: np.ndarray, sample_rows: np.ndarray, tokens: torch.Tensor) -> None:
+    def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> tuple[list[list[int]], list[list[TokenLogprobs]] | None]:
+        """Tokens each row keeps this step: one sampled token, or verified drafts plus a bonus."""
+        accepted: list[list[int]] = [[] for _ in batch.req_ids]
+        rows = np.nonzero(batch.samples)[0]
+        if not len(rows):
+            return accepted, None
+        k = batch.num_drafts[rows]
+        ends = batch.layout.query_start_loc[1:][rows]
+        # Row r needs logits at its last 1 + k[r] positions (the verified drafts and the bonus).
+        positions = np.concatenate([np.arange(e - 1 - n, e) for e, n in zip(ends, k)])
+        logits = self.model.compute_logits(hidden[torch.from_numpy(positions).to(self.device)])
+        slots = batch.slots[rows]
+        meta = self._sampling_metadata(slots)
+        if not k.any():
+            tokens = self.sampler(logits, meta).sampled_token_ids.tolist()  # the step's one sync
+            kept = [[t] for t in tokens]
+        else:
+            drafts = [self.states.draft_tokens_np[s, :n].tolist() for s, n in zip(slots, k)]
+            kept = self.rejection_sampler(logits, k.tolist(), drafts, None, meta).accepted_token_ids
+        for row, toks in zip(rows.tolist(), kept):
+            accepted[row] = toks
+        return accepted, self._logprobs(logits, k, slots, rows, kept, len(batch.req_ids))
+
+    def _write_back(self, batch: StepBatch, accepted: list[list[int]]) -> None:
+        st, dev = self.states, self.device
+        num_sampled = np.array([len(a) for a in accepted], dtype=np.int32)
+        width = max(1, int(num_sampled.max()))
+        table = np.zeros((len(accepted), width), dtype=np.int32)
+        for row, toks in enumerate(accepted):
+            table[row, : len(toks)] = toks
+        kernels.post_step_update(st.all_token_ids, st.total_len, st.last_sampled_tokens,
+                                 torch.from_numpy(table).to(dev), torch.from_numpy(num_sampled).to(dev),
+                                 torch.from_numpy(batch.slots).to(dev))
+        st.total_len_np[batch.slots] += num_sampled
+
+    def _store_drafts(self, batch: StepBatch, drafts: list[list[int]]) -> None:
         st = self.states
-        num_sampled = np.zeros(len(slots), dtype=np.int32)
-        num_sampled[sample_rows] = 1
-        sampled = torch.zeros(len(slots), 1, dtype=torch.int32, device=self.device)
-        sampled[torch.from_numpy(sample_rows).to(self.device), 0] = tokens.to(torch.int32)
-        kernels.post_step_update(st.all_token_ids, st.total_len, st.last_sampled_tokens, sampled,
-                                 torch.from_numpy(num_sampled).to(self.device), torch.from_numpy(slots).to(self.device))
-        st.total_len_np[slots] += num_sampled
+        for row in np.nonzero(batch.samples)[0].tolist():
+            st.store_drafts(int(batch.slots[row]), drafts[row])
+        idx = torch.from_numpy(batch.slots).to(self.device)
+        st.draft_tokens[idx] = torch.from_numpy(st.draft_tokens_np[batch.slots]).to(self.device)
 
     def _sampling_metadata(self, slots: np.ndarray) -> SamplingMetadata:
         st = self.states
@@ -174,17 +213,23 @@ class ModelRunner:
             all_greedy=all(p.greedy for p in params),
         )
 
-    def _logprobs(self, out: SamplerOutput, slots: np.ndarray, sample_rows: np.ndarray,
-                  batch: int) -> list[list[TokenLogprobs]] | None:
-        """Per request: the sampled token's logprob and rank plus its own top-n (n as it asked)."""
-        if out.logprobs is None:
+    def _logprobs(self, logits: torch.Tensor, k: np.ndarray, slots: np.ndarray, rows: np.ndarray,
+                  kept: list[list[int]], batch_size: int) -> list[list[TokenLogprobs]] | None:
+        """Per kept token: its logprob and rank under the raw target logits, plus the top-n."""
+        wants = [self.states.sampling_params[int(s)].logprobs for s in slots]
+        if all(n is None for n in wants):
             return None
-        ids, vals = out.logprobs.token_ids.tolist(), out.logprobs.logprobs.tolist()
-        ranks = out.logprobs.ranks.tolist()
-        result: list[list[TokenLogprobs]] = [[] for _ in range(batch)]
-        for i, row in enumerate(sample_rows.tolist()):
-            n = self.states.sampling_params[int(slots[row])].logprobs
-            if n is not None:
-                top = list(zip(ids[i][1 : 1 + n], vals[i][1 : 1 + n]))
-                result[row] = [TokenLogprobs(ids[i][0], vals[i][0], ranks[i], top)]
+        starts = np.concatenate([[0], np.cumsum(k + 1)[:-1]])
+        picks = [(i, starts[i] + j, tok) for i, toks in enumerate(kept) if wants[i] is not None
+                 for j, tok in enumerate(toks)]
+        idx = torch.tensor([p[1] for p in picks], dtype=torch.long, device=self.device)
+        toks = torch.tensor([p[2] for p in picks], dtype=torch.long, device=self.device)
+        n_max = max(n for n in wants if n is not None)
+        lp = self.sampler.gather_logprobs(torch.log_softmax(logits[idx], dim=-1), toks, n_max)
+        ids, vals, ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+        result: list[list[TokenLogprobs]] = [[] for _ in range(batch_size)]
+        for m, (i, _, _) in enumerate(picks):
+            n = wants[i]
+            result[int(rows[i])].append(TokenLogprobs(ids[m][0], vals[m][0], ranks[m],
+                                                      list(zip(ids[m][1 : 1 + n], vals[m][1 : 1 + n]))))
         return result

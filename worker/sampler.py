@@ -268,7 +268,7 @@ class Sampler:
 
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = self._gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+            logprobs = self.gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled.to(torch.int32), logprobs=logprobs)
 
     # ------------------------------------------------------------------ stages
@@ -414,7 +414,7 @@ class Sampler:
         return torch.where(greedy, probs.argmax(dim=-1), race)
 
     @staticmethod
-    def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_top: int) -> LogprobsTensors:
+    def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_top: int) -> LogprobsTensors:
         sampled = sampled.to(torch.long).unsqueeze(1)
         sampled_logprob = raw_logprobs.gather(1, sampled)
         # Rank 1 = most likely; tokens tied with the sampled one share its (best) rank.

@@ -29,6 +29,7 @@ class RequestStates:
         self.num_computed_tokens_np = np.zeros(s, i32)  # mirror of the scheduler's value (I4: overwritten, never incremented)
         self.num_computed_prefill_tokens = np.zeros(s, i32)
         self.num_draft_tokens = np.zeros(s, i32)      # valid entries of draft_tokens[slot]
+        self.draft_tokens_np = np.full((s, max(1, max_draft_tokens)), -1, i32)  # host copy of draft_tokens
         self.block_table = np.zeros((s, max_blocks_per_req), i32)
         self.num_blocks = np.zeros(s, i32)
         self.sampling_params: list[SamplingParams | None] = [None] * s
@@ -66,8 +67,7 @@ class RequestStates:
         self.num_computed_tokens[slot : slot + 1] = computed
 
         # I2: reset everything that can be read before it is written, on every admission.
-        self.draft_tokens[slot].fill_(-1)
-        self.num_draft_tokens[slot] = 0
+        self.reset_drafts(slot)
         if computed > 0:
             self.seed_last_sampled(slot, tokens[total - 1])
 
@@ -83,6 +83,18 @@ class RequestStates:
             gen.manual_seed(params.seed)
             self.generators[slot] = gen
         return slot
+
+    def reset_drafts(self, slot: int) -> None:
+        self.draft_tokens[slot].fill_(-1)
+        self.draft_tokens_np[slot] = -1
+        self.num_draft_tokens[slot] = 0
+
+    def store_drafts(self, slot: int, drafts: list[int]) -> None:
+        """Drafts to verify next step; unused columns stay -1 (placeholders, I3)."""
+        row = np.full(self.draft_tokens_np.shape[1], -1, np.int32)
+        row[: len(drafts)] = drafts
+        self.draft_tokens_np[slot] = row
+        self.num_draft_tokens[slot] = len(drafts)
 
     def seed_last_sampled(self, slot: int, token: int) -> None:
         # Slice assignment from a Python int is a fill: no host/device sync on admission.

@@ -134,12 +134,16 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """`model.*` of the checkpoint: embeddings, layers, final norm."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, num_mtp_layers: int = 0) -> None:
         super().__init__()
+        from worker.models.mtp import MTPLayer
+
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg, max_positions)
+        # MTP layers own the KV-cache layer indices right after the target's.
+        self.mtp_layers = nn.ModuleList(MTPLayer(cfg, cfg.num_hidden_layers + i) for i in range(num_mtp_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -151,10 +155,10 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """Target model: `forward` returns final (normed) hidden states; `compute_logits` applies lm_head."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, num_mtp_layers: int = 0) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, max_positions)
+        self.model = DecoderModel(cfg, max_positions, num_mtp_layers)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -164,3 +168,9 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def mtp_forward(self, layer: int, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                    attn: AttentionBackend) -> torch.Tensor:
+        """MTP layer `layer` over (h_i, x_{i+1}) pairs; returns its normed hidden states."""
+        m = self.model
+        return m.mtp_layers[layer](hidden, input_ids, positions, m.embed_tokens, m.rotary_emb, attn)

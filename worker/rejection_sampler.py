@@ -1,0 +1,284 @@
+"""Verification of speculative draft tokens: greedy prefix matching and rejection sampling.
+
+One target forward scores ``1 + k_b`` positions for request ``b``: position 0
+predicts the token after the last accepted one (and so verifies draft 1),
+position ``j`` predicts the token after draft ``j`` (verifying draft ``j + 1``),
+and position ``k_b`` yields the bonus token when every draft is accepted.
+
+Random requests use speculative rejection sampling (Leviathan et al. 2023,
+Chen et al. 2023): draft ``d`` with draft probability ``q(d)`` is accepted with
+probability ``min(1, p(d) / q(d))``; on the first rejection the emitted token is
+drawn from ``normalize(max(0, p - q))`` and the walk stops; if every draft is
+accepted the bonus token is drawn from ``p`` at the last position. Every emitted
+token is then distributed exactly as ``p`` (the output of
+:meth:`Sampler.compute_probs`, i.e. after penalties, bans, temperature, top-k,
+top-p and min-p). When the drafts were proposed deterministically
+(``draft_probs=None``: greedy MTP, n-gram lookup) ``q`` is a one-hot at the
+draft, which reduces to "accept with probability ``p(d)``, else draw from ``p``
+with ``d`` removed". That rule preserves ``p`` *conditionally on each draft
+token*, so it stays exact whatever process proposed the draft.
+
+Greedy requests accept the longest prefix of drafts equal to the target argmax
+and then emit the target argmax, which is token for token what non-speculative
+greedy decoding produces.
+
+Randomness pattern (what makes seeded requests reproducible): when the batch is
+not all-greedy, a request with its own generator draws exactly ``k_b`` uniforms
+(``torch.rand``) and then exactly ``V`` exponentials (the race of
+:meth:`Sampler.sample_from_probs`) from that generator -- the same number
+whatever is accepted and whoever else is in the batch. A request with
+``k_b = 0`` therefore draws exactly what a plain :class:`Sampler` step would.
+Requests without a generator share batched draws from the sampler's default
+generator.
+
+Penalties and bans: position ``j`` of request ``b`` is penalised with the
+output context ``output_token_ids[b] + drafts[b][:j]`` -- exactly the context a
+non-speculative step would have at that point if the drafts up to ``j`` are
+accepted (and if one is not, later positions are discarded anyway). So
+penalised greedy speculative decoding is exact too. ``banned_token_ids[b]`` is
+applied unchanged to every position of request ``b``; a caller whose bans
+depend on the output length (e.g. ``min_tokens`` banning EOS) must pass the
+conservative set for the whole verified window. Logprobs are not produced here.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from worker.sampler import GREEDY_TEMPERATURE_EPS, Sampler, SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RejectionOutput:
+    """Result of verifying one batch of drafts."""
+
+    # Per request: the accepted drafts followed by one bonus/recovered token (length 1..k_b+1).
+    accepted_token_ids: list[list[int]]
+    # Per request: how many drafts were accepted (0..k_b); the scheduler rolls back k_b minus this.
+    num_accepted_drafts: list[int]
+
+
+class RejectionSampler:
+    """Verifies draft tokens against the target model's logits (see the module docstring).
+
+    Holds no state of its own: the target distribution, the final draw and the
+    default generator all come from the wrapped :class:`Sampler`.
+    """
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        num_draft_tokens: list[int],
+        draft_token_ids: list[list[int]],
+        draft_probs: torch.Tensor | None,
+        meta: SamplingMetadata,
+    ) -> RejectionOutput:
+        return self.forward(logits, num_draft_tokens, draft_token_ids, draft_probs, meta)
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        num_draft_tokens: list[int],
+        draft_token_ids: list[list[int]],
+        draft_probs: torch.Tensor | None,
+        meta: SamplingMetadata,
+    ) -> RejectionOutput:
+        """Verify the drafts of every request.
+
+        Args:
+            logits: ``[sum_b (1 + k_b), V]`` target logits, rows grouped per request in order.
+            num_draft_tokens: ``k_b`` per request.
+            draft_token_ids: per request, its ``k_b`` draft tokens.
+            draft_probs: ``[sum_b k_b, V]`` draft distributions ``q`` (rows need to hold the
+                probabilities the drafts were sampled from), or ``None`` when the drafts
+                were proposed deterministically (``q`` one-hot at the draft).
+            meta: one row per request; it is expanded to one row per position here.
+        """
+        num_reqs = len(num_draft_tokens)
+        self._validate(logits, num_draft_tokens, draft_token_ids, draft_probs, meta)
+        if num_reqs == 0:
+            return RejectionOutput(accepted_token_ids=[], num_accepted_drafts=[])
+        device = logits.device
+        ks = list(num_draft_tokens)
+        max_k = max(ks)
+        num_drafts = sum(ks)
+
+        # Host-side index bookkeeping, O(sum k_b) Python work.
+        row_starts = list(itertools.accumulate((1 + k for k in ks), initial=0))[:-1]
+        draft_starts = list(itertools.accumulate(ks, initial=0))[:-1]
+        req_of_draft = [b for b, k in enumerate(ks) for _ in range(k)]
+        pos_of_draft = [j for k in ks for j in range(k)]
+        flat_drafts = list(itertools.chain.from_iterable(draft_token_ids))
+
+        def long_tensor(values: Sequence[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+        drafts_t = long_tensor(flat_drafts)
+        req_of_draft_t = long_tensor(req_of_draft)
+        # Logits row that verifies each draft: draft j of request b is checked by position j.
+        verify_rows = long_tensor([row_starts[b] + j for b, j in zip(req_of_draft, pos_of_draft)])
+        ks_t = long_tensor(ks)
+        row_starts_t = long_tensor(row_starts)
+        draft_starts_t = long_tensor(draft_starts)
+
+        # One metadata row per position, then penalties/bans and the target distribution
+        # for all positions at once.
+        pos_meta = self._expand_meta(meta, ks, draft_token_ids)
+        logits = self.sampler.apply_penalties_and_bans(logits.float(), pos_meta)
+        target_argmax = logits.argmax(dim=-1)  # [T]: the greedy target at every position
+        greedy = meta.temperature < GREEDY_TEMPERATURE_EPS  # [B]
+
+        # ---- accept/reject every draft (independently; the prefix is taken below)
+        greedy_accept = target_argmax[verify_rows] == drafts_t
+        if meta.all_greedy:
+            probs = None
+            accept = greedy_accept
+        else:
+            probs = self.sampler.compute_probs(logits, pos_meta)  # [T, V]
+            p_draft = probs[verify_rows, drafts_t]
+            if draft_probs is None:
+                q_draft = torch.ones_like(p_draft)
+            else:
+                draft_probs = draft_probs.float()
+                q_draft = draft_probs[torch.arange(num_drafts, device=device), drafts_t]
+            uniforms = self._draw_uniforms(meta, ks, draft_starts, num_drafts, device)
+            # u < p/q written without the division: accepts with probability min(1, p/q),
+            # never accepts a token the target rules out (p = 0), and needs no q > 0 guard.
+            random_accept = uniforms * q_draft < p_draft
+            accept = torch.where(greedy[req_of_draft_t], greedy_accept, random_accept)
+
+        # ---- number of accepted drafts = length of the all-accepted prefix
+        if max_k > 0:
+            # Padding beyond k_b stays False, so the prefix can never run past k_b.
+            padded = torch.zeros(num_reqs, max_k, dtype=torch.long, device=device)
+            padded[req_of_draft_t, long_tensor(pos_of_draft)] = accept.long()
+            num_accepted = padded.cumprod(dim=1).sum(dim=1)
+        else:
+            num_accepted = torch.zeros(num_reqs, dtype=torch.long, device=device)
+
+        # ---- the one token after the accepted prefix: recovered (rejection) or bonus
+        final_rows = row_starts_t + num_accepted  # logits row of the first unaccepted position
+        if probs is None:
+            final_tokens = target_argmax[final_rows]
+        else:
+            final_p = probs[final_rows]  # [B, V]
+            rejected = num_accepted < ks_t
+            # Index of the rejected draft (clamped so all-accepted rows index something valid;
+            # their residual is masked out below).
+            rej_draft = (draft_starts_t + num_accepted).clamp(max=max(num_drafts - 1, 0))
+            if num_drafts == 0:
+                final_dist = final_p
+            else:
+                if draft_probs is None:
+                    final_q = torch.zeros_like(final_p).scatter_(1, drafts_t[rej_draft].unsqueeze(1), 1.0)
+                else:
+                    final_q = draft_probs[rej_draft]
+                residual = (final_p - final_q).clamp_min_(0.0)
+                # p == q leaves nothing: a rejection then only happens for p(d) = 0, and p itself
+                # is the right distribution. sample_from_probs normalises implicitly.
+                use_residual = rejected & (residual.sum(dim=-1) > 0)
+                final_dist = torch.where(use_residual.unsqueeze(1), residual, final_p)
+            # B rows with the requests' own generators: exactly V exponentials per seeded row.
+            sampled = self.sampler.sample_from_probs(final_dist, meta)
+            final_tokens = torch.where(greedy, target_argmax[final_rows], sampled)
+
+        # ---- back to Python lists (the one device sync of the call)
+        num_accepted_list = num_accepted.tolist()
+        final_list = final_tokens.tolist()
+        accepted_token_ids = [
+            list(draft_token_ids[b][:m]) + [tok] for b, (m, tok) in enumerate(zip(num_accepted_list, final_list))
+        ]
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "verified %d drafts over %d requests: %d accepted", num_drafts, num_reqs, sum(num_accepted_list)
+            )
+        return RejectionOutput(accepted_token_ids=accepted_token_ids, num_accepted_drafts=num_accepted_list)
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _validate(
+        logits: torch.Tensor,
+        num_draft_tokens: Sequence[int],
+        draft_token_ids: Sequence[Sequence[int]],
+        draft_probs: torch.Tensor | None,
+        meta: SamplingMetadata,
+    ) -> None:
+        num_reqs = len(num_draft_tokens)
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [positions, vocab], got shape {tuple(logits.shape)}")
+        if meta.num_rows != num_reqs:
+            raise ValueError(f"metadata has {meta.num_rows} rows but there are {num_reqs} requests")
+        if len(draft_token_ids) != num_reqs:
+            raise ValueError(f"{len(draft_token_ids)} draft lists for {num_reqs} requests")
+        for b, (k, drafts) in enumerate(zip(num_draft_tokens, draft_token_ids)):
+            if k < 0 or len(drafts) != k:
+                raise ValueError(f"request {b}: num_draft_tokens={k} but {len(drafts)} draft tokens")
+        expected_rows = num_reqs + sum(num_draft_tokens)
+        if logits.shape[0] != expected_rows:
+            raise ValueError(f"logits have {logits.shape[0]} rows, expected sum(1 + k_b) = {expected_rows}")
+        vocab = logits.shape[1]
+        flat = [t for drafts in draft_token_ids for t in drafts]
+        if flat and (min(flat) < 0 or max(flat) >= vocab):
+            raise ValueError(f"draft token ids must lie in [0, {vocab}), got range [{min(flat)}, {max(flat)}]")
+        if draft_probs is not None and tuple(draft_probs.shape) != (len(flat), vocab):
+            raise ValueError(f"draft_probs must be [{len(flat)}, {vocab}], got {tuple(draft_probs.shape)}")
+
+    @staticmethod
+    def _expand_meta(
+        meta: SamplingMetadata, ks: Sequence[int], draft_token_ids: Sequence[Sequence[int]]
+    ) -> SamplingMetadata:
+        """One metadata row per verified position, with each position's penalty context."""
+        rows = [b for b, k in enumerate(ks) for _ in range(1 + k)]
+        pos_meta = meta.select_rows(rows)
+        if not meta.no_penalties and meta.output_token_ids is not None:
+            # Position j follows drafts 1..j: a non-speculative step there would count them
+            # as output tokens, so the penalties must too (this keeps penalised greedy exact).
+            pos_meta.output_token_ids = [
+                list(meta.output_token_ids[b]) + list(draft_token_ids[b][:j])
+                for b, k in enumerate(ks)
+                for j in range(1 + k)
+            ]
+        return pos_meta
+
+    def _draw_uniforms(
+        self,
+        meta: SamplingMetadata,
+        ks: Sequence[int],
+        draft_starts: Sequence[int],
+        num_drafts: int,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """``[sum k_b]`` U[0, 1) acceptance variates: exactly ``k_b`` from each seeded request's
+        own generator, one batched draw from the default generator for the rest."""
+        uniforms = torch.empty(num_drafts, dtype=torch.float32, device=device)
+        unseeded = [
+            draft_starts[b] + j for b, (k, g) in enumerate(zip(ks, meta.generators)) if g is None for j in range(k)
+        ]
+        if unseeded:
+            default_gen = self.sampler._default_generator(device)  # noqa: SLF001 - same package
+            draws = torch.rand(len(unseeded), generator=default_gen, device=device)
+            if len(unseeded) == num_drafts:
+                uniforms = draws
+            else:
+                uniforms[torch.tensor(unseeded, dtype=torch.long, device=device)] = draws
+        for b, (k, gen) in enumerate(zip(ks, meta.generators)):
+            if gen is None or k == 0:
+                continue
+            if gen.device.type != device.type:
+                raise ValueError(
+                    f"request {b}: its generator is on {gen.device} but the logits are on {device}; "
+                    "create per-request generators on the model's device"
+                )
+            start = draft_starts[b]
+            uniforms[start:start + k] = torch.rand(k, generator=gen, device=device)
+        return uniforms
