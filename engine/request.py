@@ -31,6 +31,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # Prefill role: stop after the first sampled token (t0) and keep the KV blocks for the transfer.
+    prefill_only: bool = False
+    first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -52,7 +55,10 @@ class Request:
         self.all_token_ids.append(token)
 
     def check_stop(self, max_model_len: int) -> str | None:
-        """Finish reason after the last appended token, or None to keep going."""
+        """Finish reason after the last appended token, or None to keep going.
+
+        "prefilled" ends a prefill-only request once t0 is sampled and nothing else stops it.
+        """
         params = self.sampling_params
         n = len(self.output_token_ids)
         last = self.output_token_ids[-1]
@@ -63,4 +69,4 @@ class Request:
                 return "stop"
         if n >= params.max_tokens or self.num_tokens >= max_model_len:
             return "length"
-        return None
+        return "prefilled" if self.prefill_only else None

@@ -8,6 +8,7 @@ only place `num_computed_tokens` changes (I4), including taking back rejected dr
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -68,6 +69,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
+        # Prefill role: finished requests whose blocks wait for the KV transfer (released on ack/lease expiry).
+        self.held: dict[str, Request] = {}
 
     # -- queue management ------------------------------------------------------------------
 
@@ -75,7 +78,24 @@ class Scheduler:
         self.requests[request.req_id] = request
         self.waiting.append(request)
 
+    def add_prefilled_request(self, request: Request) -> None:
+        """Decode role: a request whose KV arrived from prefill into blocks it already holds.
+
+        It goes to the front of the queue: it holds memory, so running it soonest frees it soonest.
+        """
+        self.requests[request.req_id] = request
+        self.waiting.appendleft(request)
+
+    def release_held(self, req_id: str) -> bool:
+        request = self.held.pop(req_id, None)
+        if request is None:
+            return False
+        self.blocks.free_request(request)
+        return True
+
     def abort_request(self, req_id: str) -> bool:
+        if self.release_held(req_id):
+            return True
         request = self.requests.get(req_id)
         if request is None or request.is_finished:
             return False
@@ -116,15 +136,24 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # Admit waiting requests, unless memory was just short (they would only be preempted).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted_req_ids:
-            request = self.waiting[0]
+        # Admit waiting requests in order, unless memory was just short (they would only be
+        # preempted). When one does not fit, only requests that already hold their blocks (PD
+        # handoffs) may still go ahead: they need little more, and waiting on them could deadlock.
+        blocked = False
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs or out.preempted_req_ids:
+                break
+            if blocked and not request.block_ids:
+                continue
             cached = self.blocks.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             num_computed = request.num_computed_tokens + len(cached) * self.blocks.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if self.blocks.allocate(request, num_new + self.num_lookahead_tokens, cached) is None:
-                break
-            self.waiting.popleft()
+                blocked = True
+                continue
+            self.waiting.remove(request)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -192,4 +221,7 @@ class Scheduler:
             self._finished_ids.add(request.req_id)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.blocks.free_request(request)
+        if reason == "prefilled":
+            self.held[request.req_id] = request  # blocks stay until the transfer is acked
+        else:
+            self.blocks.free_request(request)

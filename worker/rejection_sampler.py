@@ -148,7 +148,7 @@ class RejectionSampler:
             if draft_probs is None:
                 q_draft = torch.ones_like(p_draft)
             else:
-                draft_probs = draft_probs.float()
+                draft_probs = draft_probs.to(device=device, dtype=torch.float32)
                 q_draft = draft_probs[torch.arange(num_drafts, device=device), drafts_t]
             uniforms = self._draw_uniforms(meta, ks, draft_starts, num_drafts, device)
             # u < p/q written without the division: accepts with probability min(1, p/q),
@@ -192,8 +192,7 @@ class RejectionSampler:
             final_tokens = torch.where(greedy, target_argmax[final_rows], sampled)
 
         # ---- back to Python lists (the one device sync of the call)
-        num_accepted_list = num_accepted.tolist()
-        final_list = final_tokens.tolist()
+        num_accepted_list, final_list = torch.stack([num_accepted, final_tokens.long()]).tolist()
         accepted_token_ids = [
             list(draft_token_ids[b][:m]) + [tok] for b, (m, tok) in enumerate(zip(num_accepted_list, final_list))
         ]
