@@ -1,0 +1,78 @@
+"""The KV-transfer wire protocol: small typed control messages (msgpack via msgspec).
+
+A decode instance (D) connects a DEALER to a prefill instance's (P) ROUTER KV port:
+
+    D -> P  Hello(compat_hash, key)          P -> D  HelloAck | HelloReject(reason)
+    D -> P  PullKV(req_id)                   (D has reserved blocks; "send when ready")
+    P -> D  [KVHeader, layer 0 bytes, layer 1 bytes, ...]   one frame per KV layer (MTP included)
+    P -> D  KVError(req_id, reason)          (P cannot serve it: aborted, expired, unknown)
+    D -> P  KVAck(req_id)                    (P frees its blocks)
+    D -> P  KeepAlive(req_ids)               (renews P's lease on those requests)
+    D -> P  Release(req_id)                  (D gave up: abort, reservation deadline)
+
+Tensor payloads are raw frames sent without copying; nothing is pickled.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class Hello(msgspec.Struct, tag=True):
+    compat_hash: str
+    description: str
+    peer: str
+    key: str = ""
+
+
+class HelloAck(msgspec.Struct, tag=True):
+    peer: str
+
+
+class HelloReject(msgspec.Struct, tag=True):
+    reason: str
+
+
+class PullKV(msgspec.Struct, tag=True):
+    req_id: str
+
+
+class KVHeader(msgspec.Struct, tag=True):
+    req_id: str
+    num_tokens: int            # positions [0, num_tokens) are valid
+    num_blocks: int
+    t0: int                    # the handoff token sampled on P
+    layer_shape: list[int]     # shape of each layer frame: [2, num_blocks, block_size, kv_heads, head_dim]
+    dtype: str
+
+
+class KVError(msgspec.Struct, tag=True):
+    req_id: str
+    reason: str
+
+
+class KVAck(msgspec.Struct, tag=True):
+    req_id: str
+
+
+class KeepAlive(msgspec.Struct, tag=True):
+    req_ids: list[str]
+
+
+class Release(msgspec.Struct, tag=True):
+    req_id: str
+    reason: str
+
+
+Message = Hello | HelloAck | HelloReject | PullKV | KVHeader | KVError | KVAck | KeepAlive | Release
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | memoryview) -> Message:
+    """Raises msgspec.DecodeError / ValidationError on malformed input."""
+    return _decoder.decode(data)

@@ -1,0 +1,249 @@
+"""The `pdserve` command line.
+
+    pdserve serve      front end + N prefill + M decode engines (or one colocated engine) on this host
+    pdserve prefill    one prefill engine process        pdserve decode   one decode engine process
+    pdserve colocated  one colocated engine process      pdserve server   the front end alone
+    pdserve generate   offline generation (no server)
+
+Every flag can also be set by environment variable: --max-num-seqs is PDSERVE_MAX_NUM_SEQS.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from engine.config import EngineConfig, ModelConfig, default_model
+
+logger = logging.getLogger("pdserve")
+
+ENGINE_FLAGS = [
+    # flag, type, default, help
+    ("--model", str, None, "local Hugging Face checkpoint directory (default: the bundled pdserve-tiny)"),
+    ("--max-num-seqs", int, 64, "request slots per engine"),
+    ("--max-num-batched-tokens", int, 2048, "token budget per step"),
+    ("--max-model-len", int, None, "context length (default: the model's, at most 4096)"),
+    ("--block-size", int, 16, "tokens per KV block"),
+    ("--num-kv-blocks", int, None, "KV blocks (default: derived from --kv-memory-fraction)"),
+    ("--kv-memory-fraction", float, 0.05, "fraction of RAM (CPU) or free GPU memory for the KV cache"),
+    ("--dtype", str, "float32", "float32 | bfloat16 | float16"),
+    ("--device", str, "cpu", "cpu | cuda"),
+    ("--seed", int, 0, "default sampling seed"),
+    ("--speculative-method", str, "auto", "mtp | ngram | none | auto (mtp when the model has MTP layers)"),
+    ("--num-speculative-tokens", int, 2, "draft tokens per step"),
+    ("--num-threads", int, None, "torch threads per engine process"),
+]
+
+
+def _env(flag: str) -> str:
+    return "PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_flag(p: argparse.ArgumentParser, flag: str, typ, default, help_: str) -> None:
+    env = os.environ.get(_env(flag))
+    p.add_argument(flag, type=typ, default=typ(env) if env is not None else default, help=f"{help_} [{_env(flag)}]")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    for flag, typ, default, help_ in ENGINE_FLAGS:
+        add_flag(p, flag, typ, default, help_)
+    env = os.environ.get("PDSERVE_ENABLE_PREFIX_CACHING")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=(env not in ("0", "false")) if env is not None else True, help="[PDSERVE_ENABLE_PREFIX_CACHING]")
+
+
+def engine_config(args: argparse.Namespace, role: str = "colocated") -> EngineConfig:
+    model = args.model or default_model()
+    method = args.speculative_method
+    if method == "auto":
+        method = "mtp" if ModelConfig.from_dir(model).num_mtp_layers > 0 else None
+    num_spec = args.num_speculative_tokens
+    if role == "prefill" and method:
+        # P only needs the MTP layer's KV for the hand-off, not drafts; keep the same KV layout.
+        method, num_spec = ("mtp", 1) if method == "mtp" else (None, num_spec)
+    return EngineConfig(model=model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                        kv_memory_fraction=args.kv_memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
+                        dtype=args.dtype, device=args.device, seed=args.seed, num_threads=args.num_threads,
+                        speculative_method=method if method != "none" else None, num_speculative_tokens=num_spec)
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """Re-emit the engine flags for a child process."""
+    argv: list[str] = []
+    for flag, _, _, _ in ENGINE_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            argv += [flag, str(value)]
+    argv.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
+    return argv
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+def cmd_engine(args: argparse.Namespace) -> None:
+    from engine.process import run_engine_process
+
+    run_engine_process(args.command, engine_config(args, args.command), args.name, args.input_addr, args.output_addr,
+                       kv_addr=args.kv_addr, kv_key=args.kv_key, kv_lease_s=args.kv_lease_s,
+                       kv_deadline_s=args.kv_deadline_s)
+
+
+def parse_instances(values: list[str], role: str) -> list:
+    from server.pd_client import InstanceSpec
+
+    specs = []
+    for i, v in enumerate(values):
+        name, _, addr = v.rpartition("=")
+        specs.append(InstanceSpec(name or f"{role}-{i}", role, addr))
+    return specs
+
+
+def run_front_end(args: argparse.Namespace, instances: list, output_addr: str, mode: str) -> None:
+    import asyncio
+
+    import uvicorn
+
+    from engine.llm import load_tokenizer
+    from server.app import build_app
+    from server.pd_client import RemoteEngineClient
+
+    model = args.model or default_model()
+    model_cfg = ModelConfig.from_dir(model)
+    max_model_len = args.max_model_len or min(model_cfg.max_position_embeddings, 4096)
+    client = RemoteEngineClient(instances, output_addr, mode, max_model_len, model_cfg.vocab_size,
+                                model_cfg.eos_token_ids, dead_after_s=args.dead_after_s)
+    app = build_app(client, load_tokenizer(model), args.served_model_name or Path(model).name,
+                    api_key=args.api_key or None)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+    asyncio.run(uvicorn.Server(config).serve())
+
+
+def cmd_server(args: argparse.Namespace) -> None:
+    instances = parse_instances(args.prefill, "prefill") + parse_instances(args.decode, "decode") + \
+        parse_instances(args.colocated, "colocated")
+    mode = "colocated" if args.colocated else "pd"
+    run_front_end(args, instances, args.output_addr, mode)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    """Front end + engine children on one host, talking over ipc:// sockets in a private folder."""
+    run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
+    output_addr = f"ipc://{run_dir}/frontend"
+    roles = [("colocated", 1)] if args.mode == "colocated" else [("prefill", args.num_prefill), ("decode", args.num_decode)]
+    threads = args.num_threads or max(1, (os.cpu_count() or 2) // sum(n for _, n in roles))
+    children: list[subprocess.Popen] = []
+    instances = []
+    from server.pd_client import InstanceSpec
+
+    for role, count in roles:
+        for i in range(count):
+            name = f"{role}-{i}"
+            input_addr = f"ipc://{run_dir}/{name}"
+            argv = [sys.executable, "-m", "server.cli", role, "--name", name, "--input-addr", input_addr,
+                    "--output-addr", output_addr, *engine_argv(args), "--num-threads", str(threads)]
+            if role == "prefill":
+                argv += ["--kv-addr", f"ipc://{run_dir}/{name}-kv"]
+            if args.kv_key:
+                argv += ["--kv-key", args.kv_key]
+            children.append(subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1]))
+            instances.append(InstanceSpec(name, role, input_addr))
+
+    def shutdown(*_):
+        for child in children:
+            if child.poll() is None:
+                child.terminate()
+        deadline = time.monotonic() + 5
+        for child in children:
+            try:
+                child.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+    signal.signal(signal.SIGTERM, lambda *_: (shutdown(), sys.exit(0)))
+    url = f"http://{args.host}:{args.port}"
+    print(f"pdserve: {args.mode} mode, {', '.join(f'{n} x {r}' for r, n in roles)}; serving on {url}\n"
+          f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, \"temperature\": 0}}'", flush=True)
+    try:
+        run_front_end(args, instances, output_addr, "colocated" if args.mode == "colocated" else "pd")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        shutdown()
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from engine import LLM, SamplingParams
+
+    config = engine_config(args)
+    llm = LLM(**vars(config))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    for out in llm.generate(args.prompt or ["def fibonacci(n):", "import os\n", "class Stack:"], params):
+        print(f"--- {out.finish_reason}, {len(out.token_ids)} tokens\n{out.text}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def front_end_flags(p: argparse.ArgumentParser) -> None:
+        add_flag(p, "--host", str, "127.0.0.1", "HTTP host")
+        add_flag(p, "--port", int, 8000, "HTTP port")
+        add_flag(p, "--api-key", str, "", "require Authorization: Bearer KEY on /v1/*")
+        add_flag(p, "--served-model-name", str, None, "model name in the API (default: the folder name)")
+        add_flag(p, "--dead-after-s", float, 3.0, "declare an engine dead after this long without a heartbeat")
+
+    serve = sub.add_parser("serve", help="front end + engines on this host")
+    add_engine_flags(serve)
+    front_end_flags(serve)
+    add_flag(serve, "--mode", str, "pd", "pd | colocated")
+    add_flag(serve, "--num-prefill", int, 1, "prefill engine processes")
+    add_flag(serve, "--num-decode", int, 1, "decode engine processes")
+    add_flag(serve, "--kv-key", str, "", "shared key required on the KV port")
+    serve.set_defaults(func=cmd_serve)
+
+    for role in ("prefill", "decode", "colocated"):
+        p = sub.add_parser(role, help=f"one {role} engine process")
+        add_engine_flags(p)
+        add_flag(p, "--name", str, f"{role}-0", "instance name")
+        add_flag(p, "--input-addr", str, "tcp://127.0.0.1:5600", "bind: requests from the front end")
+        add_flag(p, "--output-addr", str, "tcp://127.0.0.1:5500", "connect: the front end's output socket")
+        add_flag(p, "--kv-addr", str, "", "prefill: bind address of the KV port (default tcp://127.0.0.1:random)")
+        add_flag(p, "--kv-key", str, "", "shared key required on the KV port")
+        add_flag(p, "--kv-lease-s", float, 30.0, "prefill: free held KV blocks after this long without the decode side")
+        add_flag(p, "--kv-deadline-s", float, 60.0, "decode: give up a KV transfer after this long")
+        p.set_defaults(func=cmd_engine)
+
+    server = sub.add_parser("server", help="the HTTP front end alone, for engines started elsewhere")
+    add_engine_flags(server)
+    front_end_flags(server)
+    add_flag(server, "--output-addr", str, "tcp://127.0.0.1:5500", "bind: where engines push outputs")
+    server.add_argument("--prefill", action="append", default=[], help="NAME=ADDR of a prefill engine (repeat)")
+    server.add_argument("--decode", action="append", default=[], help="NAME=ADDR of a decode engine (repeat)")
+    server.add_argument("--colocated", action="append", default=[], help="NAME=ADDR of a colocated engine (repeat)")
+    server.set_defaults(func=cmd_server)
+
+    gen = sub.add_parser("generate", help="offline generation, no server")
+    add_engine_flags(gen)
+    gen.add_argument("--prompt", action="append")
+    gen.add_argument("--max-tokens", type=int, default=48)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

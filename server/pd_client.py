@@ -1,0 +1,268 @@
+"""EngineClient over ZMQ: routes each request to engine processes (a P and a D, or one colocated).
+
+The front end binds one PULL socket that every engine pushes its outputs and heartbeats to,
+and holds one PUSH socket per engine for submissions and aborts. Routing: least outstanding
+requests per role, round-robin among ties. Failures end in a retry (fresh prefill on another P)
+or a clear error, never a hang: instances that stop heart-beating are declared dead.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine import messages as msg
+from engine.sampling_params import SamplingParams
+from scheduler.output import TokenLogprobs
+from server.protocol import EngineUnavailableError, GenerationChunk, InstanceInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InstanceSpec:
+    name: str
+    role: str          # "prefill" | "decode" | "colocated"
+    input_addr: str    # the engine's PULL socket
+
+
+@dataclass
+class Instance:
+    spec: InstanceSpec
+    socket: zmq.asyncio.Socket
+    heartbeat: msg.Heartbeat | None = None
+    last_seen: float = 0.0
+    outstanding: set[str] = field(default_factory=set)
+
+    def alive(self, now: float, dead_after: float) -> bool:
+        return self.heartbeat is not None and now - self.last_seen < dead_after
+
+
+@dataclass
+class Tracked:
+    req_id: str
+    prompt: list[int]
+    params: dict
+    queue: asyncio.Queue
+    prefill: str | None = None
+    decode: str | None = None
+    got_first: bool = False       # t0 reached the client: a retry would repeat it, so no more retries
+    decode_started: bool = False  # D produced output: P's part is over
+    attempts: int = 0
+
+
+class RemoteEngineClient:
+    def __init__(self, instances: list[InstanceSpec], output_addr: str, mode: str, max_model_len: int,
+                 vocab_size: int, eos_token_ids: list[int], dead_after_s: float = 3.0, max_retries: int = 1) -> None:
+        self.specs = instances
+        self.output_addr = output_addr
+        self.mode = mode
+        self.max_model_len, self.vocab_size, self.eos_token_ids = max_model_len, vocab_size, eos_token_ids
+        self.dead_after_s = dead_after_s
+        self.max_retries = max_retries
+        self.table: dict[str, Instance] = {}
+        self.tracked: dict[str, Tracked] = {}
+        self._rr = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(self.output_addr)
+        for spec in self.specs:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 10000)
+            sock.connect(spec.input_addr)
+            self.table[spec.name] = Instance(spec, sock)
+        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_instances())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for inst in self.table.values():
+            inst.socket.close(0)
+        self.inbox.close(0)
+        self.ctx.term()
+
+    # -- EngineClient --------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
+                             f"max_model_len={self.max_model_len}")
+        if request_id in self.tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        tracked = Tracked(request_id, list(prompt_token_ids), asdict(params), asyncio.Queue())
+        self._dispatch(tracked)  # raises EngineUnavailableError when no instance can take it
+        self.tracked[request_id] = tracked
+        finished = False
+        try:
+            while True:
+                chunk = await tracked.queue.get()
+                finished = chunk.finish_reason is not None
+                yield chunk
+                if finished:
+                    return
+        finally:
+            if not finished:
+                await self.abort(request_id)
+            self._forget(tracked)
+
+    async def abort(self, request_id: str) -> None:
+        tracked = self.tracked.get(request_id)
+        if tracked is None:
+            return
+        for name in {tracked.prefill, tracked.decode} - {None}:
+            self._send(name, msg.Abort(request_id))
+        self._forget(tracked)
+
+    def is_ready(self) -> bool:
+        now = time.monotonic()
+        roles = {i.spec.role for i in self.table.values() if i.alive(now, self.dead_after_s)}
+        return {"prefill", "decode"} <= roles if self.mode == "pd" else "colocated" in roles
+
+    def instances(self) -> list[InstanceInfo]:
+        now = time.monotonic()
+        out = []
+        for inst in self.table.values():
+            hb = inst.heartbeat
+            out.append(InstanceInfo(
+                name=inst.spec.name, role=inst.spec.role, ready=inst.alive(now, self.dead_after_s),
+                kv_blocks_free=hb.kv_blocks_free if hb else 0, kv_blocks_total=hb.kv_blocks_total if hb else 0,
+                num_running=hb.num_running if hb else 0, num_waiting=hb.num_waiting if hb else 0,
+                counters=dict(hb.counters) if hb else {}))
+        return out
+
+    # -- routing -------------------------------------------------------------------------
+
+    def _pick(self, role: str, exclude: str | None = None) -> Instance | None:
+        now = time.monotonic()
+        live = [i for i in self.table.values()
+                if i.spec.role == role and i.alive(now, self.dead_after_s) and i.spec.name != exclude]
+        if not live:
+            return None
+        start = next(self._rr) % len(live)
+        rotated = live[start:] + live[:start]
+        return min(rotated, key=lambda i: len(i.outstanding))
+
+    def _dispatch(self, tracked: Tracked, avoid_prefill: str | None = None) -> None:
+        if self.mode != "pd":
+            inst = self._pick("colocated")
+            if inst is None:
+                raise EngineUnavailableError("no engine instance is ready")
+            tracked.prefill = tracked.decode = inst.spec.name
+            inst.outstanding.add(tracked.req_id)
+            self._send(inst.spec.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params))
+            return
+        p = self._pick("prefill", exclude=avoid_prefill) or (self._pick("prefill") if avoid_prefill else None)
+        d = self._pick("decode")
+        if p is None or d is None:
+            raise EngineUnavailableError(f"no {'prefill' if p is None else 'decode'} instance is ready")
+        tracked.prefill, tracked.decode = p.spec.name, d.spec.name
+        p.outstanding.add(tracked.req_id)
+        d.outstanding.add(tracked.req_id)
+        # Both at once under one id: D reserves while P prefills (DESIGN.md §1).
+        self._send(d.spec.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params, p.heartbeat.kv_endpoint))
+        self._send(p.spec.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params))
+
+    def _retry_or_fail(self, tracked: Tracked, reason: str) -> None:
+        """A fresh prefill on another P if allowed, else a clear error to the client."""
+        for name in {tracked.prefill, tracked.decode} - {None}:
+            self._send(name, msg.Abort(tracked.req_id))
+            self.table[name].outstanding.discard(tracked.req_id)
+        if self.mode == "pd" and not tracked.got_first and tracked.attempts < self.max_retries:
+            tracked.attempts += 1
+            failed_prefill = tracked.prefill
+            try:
+                self._dispatch(tracked, avoid_prefill=failed_prefill)
+                logger.warning("request %s: %s; retrying with a fresh prefill on %s", tracked.req_id, reason,
+                               tracked.prefill)
+                return
+            except EngineUnavailableError as e:
+                reason = f"{reason}; {e}"
+        tracked.queue.put_nowait(GenerationChunk([], finish_reason="error", error=reason))
+
+    def _send(self, name: str, message: msg.ToEngine) -> None:
+        try:
+            self.table[name].socket.send(msg.encode(message), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.warning("could not send to %s: %s", name, e)
+
+    def _forget(self, tracked: Tracked) -> None:
+        if self.tracked.get(tracked.req_id) is tracked:
+            del self.tracked[tracked.req_id]
+        for inst in self.table.values():
+            inst.outstanding.discard(tracked.req_id)
+
+    # -- background tasks ----------------------------------------------------------------
+
+    async def _read_outputs(self) -> None:
+        while True:
+            data = await self.inbox.recv()
+            try:
+                message = msg.decode_from_engine(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                logger.warning("dropping a malformed engine message")
+                continue
+            inst = self.table.get(message.instance)
+            if inst is not None:
+                inst.last_seen = time.monotonic()
+            if isinstance(message, msg.Heartbeat):
+                if inst is not None:
+                    inst.heartbeat = message
+                continue
+            self._on_output(message)
+
+    def _on_output(self, out: msg.Output) -> None:
+        tracked = self.tracked.get(out.req_id)
+        if tracked is None or out.instance not in (tracked.prefill, tracked.decode):
+            return  # a late message from an aborted attempt
+        if out.finish_reason == "error" and out.retryable:
+            self._retry_or_fail(tracked, out.error or "KV transfer failed")
+            return
+        if out.token_ids:
+            tracked.got_first = True
+        if out.instance == tracked.decode and tracked.decode != tracked.prefill and not tracked.decode_started:
+            tracked.decode_started = True
+            self.table[tracked.prefill].outstanding.discard(tracked.req_id)
+        if out.finish_reason and self.mode == "pd" and out.instance == tracked.prefill:
+            # Finished on P already (t0 was a stop, or an error): the D reservation is not needed.
+            self._send(tracked.decode, msg.Abort(tracked.req_id))
+        logprobs = [TokenLogprobs(t, lp, rank, [tuple(x) for x in top]) for t, lp, rank, top in out.logprobs]
+        tracked.queue.put_nowait(GenerationChunk(list(out.token_ids), logprobs, out.finish_reason, out.error,
+                                                 queue_time=out.queue_time))
+
+    async def _watch_instances(self) -> None:
+        announced_dead: set[str] = set()
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            for name, inst in self.table.items():
+                if inst.heartbeat is None or inst.alive(now, self.dead_after_s):
+                    announced_dead.discard(name)
+                    continue
+                if name not in announced_dead:
+                    logger.error("engine %s stopped responding; failing over its requests", name)
+                    announced_dead.add(name)
+                for req_id in list(inst.outstanding):
+                    tracked = self.tracked.get(req_id)
+                    if tracked is None:
+                        inst.outstanding.discard(req_id)
+                        continue
+                    self._retry_or_fail(tracked, f"{inst.spec.role} instance {name} died")
