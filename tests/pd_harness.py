@@ -1,0 +1,168 @@
+"""Start prefill/decode/colocated engines for tests: in-process threads (for monkeypatching) or
+real processes (for kill -9), plus a RemoteEngineClient to drive them without HTTP."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+from engine.config import EngineConfig, ModelConfig
+from engine.process import EngineProcess
+from engine.sampling_params import SamplingParams
+from server.pd_client import InstanceSpec, RemoteEngineClient
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+class ThreadedEngines:
+    """Engines as threads of this process; addresses are ipc:// in a temp dir."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.output_addr = f"ipc://{tmp}/out-{uuid.uuid4().hex[:6]}"
+        self.procs: dict[str, EngineProcess] = {}
+        self.threads: list[threading.Thread] = []
+        self.specs: list[InstanceSpec] = []
+
+    def add(self, role: str, name: str, config: EngineConfig, **kv) -> EngineProcess:
+        input_addr = f"ipc://{self.tmp}/{name}-{uuid.uuid4().hex[:6]}"
+        if role == "prefill":
+            kv.setdefault("kv_addr", f"ipc://{self.tmp}/{name}-kv-{uuid.uuid4().hex[:6]}")
+        proc = EngineProcess(role, config, name, input_addr, self.output_addr, **kv)
+        self.procs[name] = proc
+        self.specs.append(InstanceSpec(name, role, input_addr))
+        thread = threading.Thread(target=proc.run, daemon=True, name=name)
+        self.threads.append(thread)
+        return proc
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            p.stopping = True
+        for t in self.threads:
+            t.join(timeout=10)
+
+
+def client_for(specs: list[InstanceSpec], output_addr: str, model: str, mode: str, max_model_len: int,
+               **kwargs) -> RemoteEngineClient:
+    cfg = ModelConfig.from_dir(model)
+    return RemoteEngineClient(specs, output_addr, mode, max_model_len, cfg.vocab_size, cfg.eos_token_ids, **kwargs)
+
+
+async def generate_all(client: RemoteEngineClient, prompts: list[list[int]], params: SamplingParams,
+                       concurrency: int = 8, timeout: float = 120.0) -> list[dict]:
+    """Run every prompt through the client; returns per prompt {tokens, finish_reason, error}."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(prompt: list[int]) -> dict:
+        async with sem:
+            tokens: list[int] = []
+            result = {"tokens": tokens, "finish_reason": None, "error": None}
+            async for chunk in client.generate(uuid.uuid4().hex, prompt, params):
+                tokens.extend(chunk.token_ids)
+                if chunk.finish_reason:
+                    result["finish_reason"], result["error"] = chunk.finish_reason, chunk.error
+            return result
+
+    return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout)
+
+
+async def wait_ready(client: RemoteEngineClient, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not client.is_ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError("engines did not become ready")
+        await asyncio.sleep(0.05)
+
+
+async def wait_blocks_free(client: RemoteEngineClient, timeout: float = 5.0) -> None:
+    """Every live instance reports free == total (no leaked KV blocks) within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        infos = [i for i in client.instances() if i.ready]
+        leaks = {i.name: (i.kv_blocks_free, i.kv_blocks_total) for i in infos if i.kv_blocks_free != i.kv_blocks_total}
+        if infos and not leaks:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV blocks not all free after {timeout}s: {leaks}")
+        await asyncio.sleep(0.1)
+
+
+class ProcessGroup:
+    """Engine processes started with `python -m server.cli ROLE ...`, killed by PID at the end."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.output_addr = f"ipc://{tmp}/out-{uuid.uuid4().hex[:6]}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.specs: list[InstanceSpec] = []
+        self.argv: dict[str, list[str]] = {}
+
+    def add(self, role: str, name: str, model: str, *flags: str, env: dict | None = None) -> None:
+        input_addr = f"ipc://{self.tmp}/{name}-{uuid.uuid4().hex[:6]}"
+        argv = [sys.executable, "-m", "server.cli", role, "--model", model, "--name", name, "--input-addr", input_addr,
+                "--output-addr", self.output_addr, "--num-threads", "1", *flags]
+        if role == "prefill":
+            argv += ["--kv-addr", f"ipc://{self.tmp}/{name}-kv-{uuid.uuid4().hex[:6]}"]
+        self.argv[name] = argv
+        self.specs.append(InstanceSpec(name, role, input_addr))
+        self.start(name, env)
+
+    def start(self, name: str, env: dict | None = None) -> None:
+        full_env = dict(os.environ, PDSERVE_LOG_LEVEL="WARNING", **(env or {}))
+        self.procs[name] = subprocess.Popen(self.argv[name], cwd=REPO, env=full_env, start_new_session=True)
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        for name in self.procs:
+            self.kill(name)
+
+
+@contextmanager
+def running_client(client: RemoteEngineClient):
+    """Runs the client's event loop in a background thread; yields a `run(coro)` helper."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def run(coro, timeout: float = 180.0):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    run(client.start())
+    try:
+        yield run
+    finally:
+        run(client.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
