@@ -18,6 +18,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.process import EngineProcess
 from engine.sampling_params import SamplingParams
 from server.pd_client import InstanceSpec, RemoteEngineClient
+from server.protocol import EngineUnavailableError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,10 +85,13 @@ async def generate_all(client: RemoteEngineClient, prompts: list[list[int]], par
         async with sem:
             tokens: list[int] = []
             result = {"tokens": tokens, "finish_reason": None, "error": None}
-            async for chunk in client.generate(uuid.uuid4().hex, prompt, params):
-                tokens.extend(chunk.token_ids)
-                if chunk.finish_reason:
-                    result["finish_reason"], result["error"] = chunk.finish_reason, chunk.error
+            try:
+                async for chunk in client.generate(uuid.uuid4().hex, prompt, params):
+                    tokens.extend(chunk.token_ids)
+                    if chunk.finish_reason:
+                        result["finish_reason"], result["error"] = chunk.finish_reason, chunk.error
+            except EngineUnavailableError as e:  # the HTTP layer answers 503
+                result["finish_reason"], result["error"] = "error", f"unavailable: {e}"
             return result
 
     return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout)
