@@ -4,7 +4,8 @@ A decode instance (D) connects a DEALER to a prefill instance's (P) ROUTER KV po
 
     D -> P  Hello(compat_hash, key)          P -> D  HelloAck | HelloReject(reason)
     D -> P  PullKV(req_id)                   (D has reserved blocks; "send when ready")
-    P -> D  [KVHeader, layer 0 bytes, layer 1 bytes, ...]   one frame per KV layer (MTP included)
+    P -> D  [KVHeader, frames...]            per KV layer (MTP included), K then V, one frame per run
+                                             of consecutive blocks, straight from the cache's memory
     P -> D  KVError(req_id, reason)          (P cannot serve it: aborted, expired, unknown)
     D -> P  KVAck(req_id)                    (P frees its blocks)
     D -> P  KeepAlive(req_ids)               (renews P's lease on those requests)
@@ -41,7 +42,8 @@ class KVHeader(msgspec.Struct, tag=True):
     num_tokens: int            # positions [0, num_tokens) are valid
     num_blocks: int
     t0: int                    # the handoff token sampled on P
-    layer_shape: list[int]     # shape of each layer frame: [2, num_blocks, block_size, kv_heads, head_dim]
+    run_lengths: list[int]     # blocks per frame; frames go layer by layer, K then V, run by run
+    block_shape: list[int]     # [block_size, kv_heads, head_dim]
     dtype: str
 
 

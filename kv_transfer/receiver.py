@@ -159,19 +159,28 @@ class KVReceiver:
     def _write(self, pull: Pull, header: m.KVHeader, frames: list) -> str | None:
         cache = self.kv_cache
         num_layers = cache.shape[0]
-        want_shape = [2, header.num_blocks, *cache.shape[3:]]
-        if (len(frames) != num_layers or header.layer_shape != want_shape or header.dtype != self.dtype_name
-                or header.num_blocks > len(pull.block_ids)):
-            return (f"malformed KV transfer for {pull.req_id}: {len(frames)} layer frames of {header.layer_shape} "
-                    f"{header.dtype}, expected {num_layers} of {want_shape} {self.dtype_name}")
-        nbytes = cache.element_size() * 2 * header.num_blocks * cache[0, 0, 0].numel()
-        if any(len(f.buffer) != nbytes for f in frames):
+        runs = header.run_lengths
+        block_shape = list(cache.shape[3:])
+        if (header.block_shape != block_shape or header.dtype != self.dtype_name or sum(runs) != header.num_blocks
+                or header.num_blocks > len(pull.block_ids) or len(frames) != num_layers * 2 * len(runs)
+                or min(runs, default=1) < 1):
+            return (f"malformed KV transfer for {pull.req_id}: {len(frames)} frames of blocks {header.block_shape} "
+                    f"{header.dtype}, expected {num_layers} layers x K/V x {len(runs)} runs of {block_shape} {self.dtype_name}")
+        block_bytes = cache.element_size() * cache[0, 0, 0].numel()
+        if any(len(frames[i].buffer) != block_bytes * runs[i % len(runs)] for i in range(len(frames))):
             return f"truncated KV transfer for {pull.req_id}"
-        blocks = torch.tensor(pull.block_ids[: header.num_blocks], dtype=torch.long, device=cache.device)
-        for layer, frame in enumerate(frames):
-            data = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(cache.dtype).view(want_shape)
-            cache[layer][:, blocks] = data.to(cache.device)
-            self.stats.bytes_received += nbytes
+        dst = torch.tensor(pull.block_ids[: header.num_blocks], dtype=torch.long, device=cache.device)
+        offsets = [0]
+        for n in runs:
+            offsets.append(offsets[-1] + n)
+        i = 0
+        for layer in range(num_layers):
+            for kv in (0, 1):
+                for r, n in enumerate(runs):
+                    data = torch.frombuffer(frames[i].buffer, dtype=torch.uint8).view(cache.dtype).view(n, *block_shape)
+                    cache[layer, kv].index_copy_(0, dst[offsets[r] : offsets[r + 1]], data.to(cache.device))
+                    i += 1
+        self.stats.bytes_received += block_bytes * header.num_blocks * 2 * num_layers
         return None
 
     def _housekeeping(self, failed: list[Failed]) -> None:

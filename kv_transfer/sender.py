@@ -37,6 +37,17 @@ class PendingPull:
     deadline: float
 
 
+def consecutive_runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """[(first block, count)] for each run of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
 class KVSender:
     def __init__(self, ctx: zmq.Context, bind_addr: str, kv_cache: torch.Tensor, compat_hash: str,
                  description: str, name: str, release_blocks: Callable[[str], None], lease_s: float = 30.0,
@@ -148,17 +159,25 @@ class KVSender:
 
     def _send(self, held: HeldKV) -> None:
         assert held.requester is not None
-        num_blocks = -(-held.num_tokens // self.kv_cache.shape[3])
-        blocks = torch.tensor(held.block_ids[:num_blocks], dtype=torch.long, device=self.kv_cache.device)
-        # One frame per layer, [2, blocks, block_size, kv_heads, head_dim], sent without copying.
-        layers = [self.kv_cache[layer][:, blocks].contiguous().cpu() for layer in range(self.kv_cache.shape[0])]
-        header = m.KVHeader(held.req_id, held.num_tokens, num_blocks, held.t0, list(layers[0].shape),
-                            str(self.kv_cache.dtype).removeprefix("torch."))
-        payload = [memoryview(t.view(torch.uint8).numpy()) for t in layers]
-        self.socket.send_multipart([held.requester, m.encode(header), *payload], copy=False)
+        cache = self.kv_cache
+        num_blocks = -(-held.num_tokens // cache.shape[3])
+        runs = consecutive_runs(held.block_ids[:num_blocks])
+        # Zero-copy: each run of consecutive blocks of one layer's K (or V) is one contiguous slice
+        # of the cache. The blocks stay held until D acks, so the memory is stable while ZMQ sends.
+        frames = []
+        for layer in range(cache.shape[0]):
+            for kv in (0, 1):
+                for start, n in runs:
+                    part = cache[layer, kv, start : start + n]
+                    if part.device.type != "cpu":
+                        part = part.cpu()
+                    frames.append(memoryview(part.view(torch.uint8).numpy()).cast("B"))
+        header = m.KVHeader(held.req_id, held.num_tokens, num_blocks, held.t0, [n for _, n in runs],
+                            list(cache.shape[3:]), str(cache.dtype).removeprefix("torch."))
+        self.socket.send_multipart([held.requester, m.encode(header), *frames], copy=False)
         held.sent = True
         self.stats.transfers_sent += 1
-        self.stats.bytes_sent += sum(p.nbytes for p in payload)
+        self.stats.bytes_sent += sum(f.nbytes for f in frames)
 
     def _send_msg(self, identity: bytes, msg: m.Message) -> None:
         try:

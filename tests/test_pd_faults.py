@@ -45,7 +45,7 @@ def test_decode_dies_after_receiving_kv_prefill_frees_blocks_within_lease(checkp
         fake_d.send(m.encode(m.PullKV("r1")))
         frames = fake_d.recv_multipart()
         header = m.decode(frames[0])
-        assert isinstance(header, m.KVHeader) and len(frames) == 1 + 2  # two target layers
+        assert isinstance(header, m.KVHeader) and len(frames) == 1 + 2 * 2 * len(header.run_lengths)  # 2 layers, K+V
         fake_d.close(0)  # "killed": no ack, no keepalive
         core = prefill.core
         assert core.stats().kv_blocks_free < core.stats().kv_blocks_total  # held under the lease
@@ -196,9 +196,9 @@ def test_truncated_kv_payload_fails_clearly_and_frees(checkpoints, tmp_path):
             if isinstance(msg, m.Hello):
                 fake_p.send_multipart([ident, m.encode(m.HelloAck("prefill-0"))])
             elif isinstance(msg, m.PullKV):
-                shape = [2, 1, *decode.core.runner.kv_cache.shape[3:]]
-                header = m.KVHeader(msg.req_id, 5, 1, 7, shape, "float32")
-                fake_p.send_multipart([ident, m.encode(header), b"\x00" * 10, b"\x00" * 10])
+                shape = list(decode.core.runner.kv_cache.shape[3:])
+                header = m.KVHeader(msg.req_id, 5, 1, 7, [1], shape, "float32")
+                fake_p.send_multipart([ident, m.encode(header), *[b"\x00" * 10] * 4])
 
     import threading
     t = threading.Thread(target=fake_prefill, daemon=True)
