@@ -1,0 +1,61 @@
+"""Speculative sampling preserves the target distribution, end to end (issue: MTP).
+
+A small-vocab model with a random MTP layer (so drafts are both accepted and rejected): the
+joint distribution of the first generated tokens over many seeded requests must be the same
+with MTP speculation as without (two-sample chi-square), at temperature 1 and with top-p.
+"""
+from __future__ import annotations
+
+import collections
+
+import pytest
+from scipy.stats import chi2_contingency
+
+from conftest import add_mtp_layer
+from engine import LLM, SamplingParams
+
+N = 2500
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model(tmp_path_factory):
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen2Config(vocab_size=6, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                   initializer_range=0.5, eos_token_id=None, tie_word_embeddings=True)
+    torch.manual_seed(3)
+    path = tmp_path_factory.mktemp("smallvocab")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return add_mtp_layer(path, seed=4, std=0.5)
+
+
+def sample_counts(model, spec: bool, top_p: float) -> tuple[collections.Counter, float]:
+    kwargs = dict(speculative_method="mtp", num_speculative_tokens=2) if spec else {}
+    llm = LLM(str(model), max_model_len=32, max_num_seqs=128, **kwargs)
+    params = [SamplingParams(temperature=1.0, top_p=top_p, seed=s + (10**6 if spec else 0), max_tokens=4,
+                             ignore_eos=True) for s in range(N)]
+    outs = llm.generate([[1, 2, 3]] * N, params)
+    spec_stats = llm.engine.scheduler.spec_stats
+    accept = spec_stats.num_accepted_tokens / max(1, spec_stats.num_draft_tokens)
+    # Tokens 2-4 are the ones produced by verify steps when speculating.
+    return collections.Counter(tuple(o.token_ids[1:4]) for o in outs), accept
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_spec_sampling_matches_non_spec_distribution(small_vocab_model, top_p):
+    base, _ = sample_counts(small_vocab_model, spec=False, top_p=top_p)
+    spec, accept = sample_counts(small_vocab_model, spec=True, top_p=top_p)
+    assert 0.1 < accept < 0.95, f"drafts should be partly accepted to exercise both paths, got {accept:.2f}"
+    for pos in range(3):  # each position's marginal, then the pair (2, 3)
+        a = collections.Counter(k[pos] for k in base.elements())
+        b = collections.Counter(k[pos] for k in spec.elements())
+        keys = sorted(set(a) | set(b))
+        _, p, _, _ = chi2_contingency([[a[k] + 0.5 for k in keys], [b[k] + 0.5 for k in keys]])
+        assert p > 1e-3, f"position {pos + 2}: spec vs non-spec differ (p={p:.2g})"
+    pairs_a = collections.Counter(k[:2] for k in base.elements())
+    pairs_b = collections.Counter(k[:2] for k in spec.elements())
+    keys = [k for k in set(pairs_a) | set(pairs_b) if pairs_a[k] + pairs_b[k] >= 20]
+    _, p, _, _ = chi2_contingency([[pairs_a[k] for k in keys], [pairs_b[k] for k in keys]])
+    assert p > 1e-3, f"joint of tokens 2-3 differs (p={p:.2g})"
