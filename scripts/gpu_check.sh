@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One prepared run on a GPU machine (never part of CI): the CUDA-path tests and a short benchmark.
+# Uses that machine's own python3 (torch + triton + transformers preinstalled); nothing is installed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PDSERVE_DEBUG_INVARIANTS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp}
+nvidia-smi -L
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+# Offline throughput on a mid-size random Qwen2 (no weights can be fetched there).
+python3 - <<'PY'
+import torch, transformers
+cfg = transformers.Qwen2Config(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                               num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
+torch.manual_seed(0)
+transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained("/tmp/qwen2-mid")
+PY
+python3 benchmarks/bench_offline.py --model /tmp/qwen2-mid --device cuda --num-prompts 64 --new-tokens 128 2>&1 | grep -v Loading | tee "$OUT/gpu_bench.log"
+python3 benchmarks/bench_offline.py --model /tmp/qwen2-mid --device cuda --dtype bfloat16 --num-prompts 64 --new-tokens 128 2>&1 | grep -v Loading | tee -a "$OUT/gpu_bench.log"
