@@ -23,6 +23,9 @@ class Output(msgspec.Struct, tag=True):
     instance: str
     req_id: str
     token_ids: list[int]
+    # Position of token_ids[0] among the request's outputs: t0 (from P) and D's tokens travel on
+    # different sockets, so the front end restores their order with it.
+    first_index: int = 0
     logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] = []  # (token, logprob, rank, top)
     finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
     error: str | None = None

@@ -179,12 +179,9 @@ class EngineProcess:
                 held = self.core.scheduler.held[u.req_id]
                 self.sender.hold(u.req_id, held.block_ids, held.prompt_len, u.new_token_ids[0])
                 reason = None  # the request goes on at the decode instance
-            request = self.core.scheduler.requests.get(u.req_id) or self.core.scheduler.held.get(u.req_id)
-            queue_time = None
-            if request is not None and request.first_scheduled_time and len(request.output_token_ids) == len(u.new_token_ids):
-                queue_time = request.first_scheduled_time - request.arrival_time
             lps = [(lp.token_id, lp.logprob, lp.rank, lp.top) for lp in u.new_logprobs]
-            self._emit(msg.Output(self.name, u.req_id, u.new_token_ids, lps, reason, queue_time=queue_time))
+            self._emit(msg.Output(self.name, u.req_id, u.new_token_ids, u.first_index, lps, reason,
+                                  queue_time=u.queue_time))
 
     def _emit(self, message: msg.Output | msg.Heartbeat) -> None:
         self.outbox.send(msg.encode(message))

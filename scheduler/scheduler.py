@@ -51,6 +51,8 @@ class RequestUpdate:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs]
     finish_reason: str | None
+    first_index: int = 0               # position of new_token_ids[0] among the request's outputs
+    queue_time: float | None = None    # set on the first update: arrival -> first scheduled
 
 
 class Scheduler:
@@ -196,7 +198,11 @@ class Scheduler:
             if finish:
                 self._finish(request, finish)
             if new_tokens or finish:
-                updates.append(RequestUpdate(req_id, new_tokens, logprobs[: len(new_tokens)], finish))
+                first = len(request.output_token_ids) - len(new_tokens)
+                queue_time = None
+                if first == 0 and request.first_scheduled_time is not None:
+                    queue_time = request.first_scheduled_time - request.arrival_time
+                updates.append(RequestUpdate(req_id, new_tokens, logprobs[: len(new_tokens)], finish, first, queue_time))
         for req_id in list(self.requests):
             if self.requests[req_id].is_finished:
                 del self.requests[req_id]

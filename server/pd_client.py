@@ -56,6 +56,8 @@ class Tracked:
     got_first: bool = False       # t0 reached the client: a retry would repeat it, so no more retries
     decode_started: bool = False  # D produced output: P's part is over
     attempts: int = 0
+    next_index: int = 0           # outputs delivered so far
+    early: dict[int, msg.Output] = field(default_factory=dict)  # arrived ahead of their turn
 
 
 class RemoteEngineClient:
@@ -188,6 +190,7 @@ class RemoteEngineClient:
             self.table[name].outstanding.discard(tracked.req_id)
         if self.mode == "pd" and not tracked.got_first and tracked.attempts < self.max_retries:
             tracked.attempts += 1
+            tracked.early.clear()
             failed_prefill = tracked.prefill
             try:
                 self._dispatch(tracked, avoid_prefill=failed_prefill)
@@ -236,6 +239,15 @@ class RemoteEngineClient:
         if out.finish_reason == "error" and out.retryable:
             self._retry_or_fail(tracked, out.error or "KV transfer failed")
             return
+        if out.token_ids and out.first_index != tracked.next_index:
+            tracked.early[out.first_index] = out  # D's tokens can overtake t0 from P
+            return
+        self._deliver(tracked, out)
+        while tracked.next_index in tracked.early:
+            self._deliver(tracked, tracked.early.pop(tracked.next_index))
+
+    def _deliver(self, tracked: Tracked, out: msg.Output) -> None:
+        tracked.next_index += len(out.token_ids)
         if out.token_ids:
             tracked.got_first = True
         if out.instance == tracked.decode and tracked.decode != tracked.prefill and not tracked.decode_started:

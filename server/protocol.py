@@ -19,6 +19,9 @@ class GenerationChunk:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    # Seconds the request waited in the engine before it was first scheduled; set on one chunk
+    # (the first) by clients that know it, feeds pdserve:request_queue_time_seconds.
+    queue_time: float | None = None
 
 
 @dataclass
@@ -55,3 +58,7 @@ class EngineClient(Protocol):
     def is_ready(self) -> bool: ...
 
     def instances(self) -> list[InstanceInfo]: ...
+
+
+class EngineUnavailableError(RuntimeError):
+    """No engine instance can take the request right now (the front end answers 503)."""

@@ -6,6 +6,7 @@ model), with ChatML special tokens; `make_tokenizer` is also used by test_server
 from __future__ import annotations
 
 import random
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -123,7 +124,7 @@ def test_no_tokenizer_gives_no_text():
     assert detok.push([1, 2, 3]) == "" and detok.flush() == ""
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_ids_any_chunking_equal_full_decode(tokenizer, data):
     """Arbitrary id sequences (so also invalid UTF-8), arbitrary chunking: exact."""
@@ -136,7 +137,7 @@ def test_random_ids_any_chunking_equal_full_decode(tokenizer, data):
     assert "".join(stream(tokenizer, ids, sizes, skip)) == decode(tokenizer, ids, skip)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(alphabet=st.sampled_from(list("ab é€你😀 \n.")) | st.characters(codec="utf-8"), max_size=30),
        sizes=st.lists(st.integers(1, 4), min_size=1, max_size=5))
 def test_text_round_trip_streams_exactly(tokenizer, text, sizes):
@@ -205,7 +206,7 @@ def test_min_tokens_check_off_lets_text_through():
     assert m.push("b") == "" and m.matched == "ab"
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=timedelta(seconds=5))
 @given(text=st.text(alphabet="ab€c", max_size=24),
        stops=st.lists(st.text(alphabet="ab€c", min_size=1, max_size=4), min_size=1, max_size=3),
        cuts=st.lists(st.integers(0, 24), max_size=8))

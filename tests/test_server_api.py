@@ -9,12 +9,13 @@ import json
 import socket
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from conftest import make_checkpoint
@@ -23,7 +24,7 @@ from engine.sampling_params import SamplingParams
 from server.app import build_app
 from server.detokenizer import IncrementalDetokenizer
 from server.local_client import LocalEngineClient
-from server.protocol import GenerationChunk, InstanceInfo
+from server.protocol import EngineUnavailableError, GenerationChunk, InstanceInfo
 from test_detokenizer import make_tokenizer
 
 MODEL = "tiny"
@@ -266,13 +267,18 @@ def test_stop_strings_across_token_boundaries(oai, engine, tokenizer, stream):
         assert text == expected and stop not in text
     wait_idle(engine)  # the engine request was aborted when the stop string matched
 
-    chat = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=40,
-                                       temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    chat_args = dict(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=40, temperature=1.0, seed=3)
+    chat = oai.chat.completions.create(**chat_args, extra_body={"ignore_eos": True, "return_token_ids": True})
     text = chat.choices[0].message.content
-    if len(text) > 8 and "\ufffd" not in text[4:8] and text.find(text[4:8]) == 4:
-        again = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=40,
-                                            temperature=1.0, seed=3, stop=text[4:8], extra_body={"ignore_eos": True})
-        assert again.choices[0].message.content == text[:4] and again.choices[0].finish_reason == "stop"
+    stop = _boundary_stop(tokenizer, chat.choices[0].token_ids, text)
+    if stream:
+        texts, finish, _, _ = stream_chat_text(oai.chat.completions.create(**chat_args, stop=stop, stream=True,
+                                                                         extra_body={"ignore_eos": True}))
+        assert (texts[0], finish[0]) == (text[: text.find(stop)], "stop")
+    else:
+        again = oai.chat.completions.create(**chat_args, stop=stop, extra_body={"ignore_eos": True})
+        assert (again.choices[0].message.content, again.choices[0].finish_reason) == (text[: text.find(stop)], "stop")
+    wait_idle(engine)
 
 
 def test_n_choices_and_seeds(oai):
@@ -439,6 +445,7 @@ def test_bad_input_over_raw_http(http, server, engine):
     _error(post(json.dumps({"tokens": ["a"]}), "/detokenize"), 400)
     # 10 MB body: refused before parsing.
     assert _error(post(b'{"prompt": "' + b"a" * (10 * 1024 * 1024) + b'"}'), 413)["code"] == "request_too_large"
+    _error(post(iter([b'{"prompt": "'] + [b"a" * 1024 * 1024] * 6 + [b'"}'])), 413)  # chunked, no Content-Length
     # Unknown fields are ignored.
     ok = post(json.dumps({"prompt": "x", "max_tokens": 2, "frobnicate": {"deep": [1]}, "metadata": {"a": "b"}}))
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
@@ -453,36 +460,65 @@ def test_bad_input_over_raw_http(http, server, engine):
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 8),
                      st.sampled_from([0, -1, 2**31, 2**63, -(2**63), 10**30]),
                      st.floats(allow_nan=True, allow_infinity=True, width=32), st.text(max_size=12))
-_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-                       max_leaves=8)
-_fields = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
-           "n", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "echo", "stream", "stream_options",
-           "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "user",
-           "return_token_ids", "best_of", "logit_bias", "response_format", "skip_special_tokens", "unknown_field"]
-_good = {"model": st.just(MODEL), "prompt": st.sampled_from(["hi", [5, 6], [[5], [7, 8]], ["a", "b"]]),
-         "messages": st.just([{"role": "user", "content": "hi"}]), "max_tokens": st.integers(1, 4)}
+_junk = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                          max_size=3), max_leaves=8)
+_flag = st.booleans()
+_prob = st.floats(-0.5, 2.5)
+_ids = st.lists(st.integers(-2, 1100), min_size=0, max_size=6)
+_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "bogus"]),
+                                  "content": st.text(max_size=12) | st.just([{"type": "text", "text": "hi"}])})
+# Plausible values for each field (often valid, sometimes just out of range); any field may
+# also get arbitrary JSON.
+_plausible = {
+    "model": st.sampled_from([MODEL, "other"]),
+    "prompt": st.one_of(st.text(max_size=20), st.lists(st.text(max_size=8), max_size=3), _ids, st.lists(_ids, max_size=3)),
+    "messages": st.lists(_message, max_size=3),
+    "max_tokens": st.integers(-1, 5) | st.sampled_from([MAX_MODEL_LEN, 10**9]),
+    "max_completion_tokens": st.integers(-1, 5),
+    "temperature": _prob, "top_p": _prob, "min_p": _prob, "top_k": st.integers(-2, 50),
+    "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3), "repetition_penalty": st.floats(-1, 3),
+    "n": st.integers(0, 3), "best_of": st.integers(0, 3), "seed": st.integers(-(2**64), 2**64),
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3), "stop_token_ids": _ids,
+    "logprobs": st.integers(-1, 25) | _flag, "top_logprobs": st.integers(-1, 25), "min_tokens": st.integers(-1, 6),
+    "echo": _flag, "stream": _flag, "ignore_eos": _flag, "return_token_ids": _flag, "skip_special_tokens": _flag,
+    "include_stop_str_in_output": _flag, "stream_options": st.fixed_dictionaries({"include_usage": _flag}),
+    "user": st.text(max_size=5), "logit_bias": st.just({}) | st.just({"5": 1.0}), "suffix": st.none() | st.just("x"),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]), "tokens": _ids,
+    "add_generation_prompt": _flag, "continue_final_message": _flag, "unknown_field": _junk,
+}
+_bases = {
+    "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 3},
+    "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+    "/tokenize": {"prompt": "hi"},
+    "/detokenize": {"tokens": [5, 6]},
+}
 
 
 @st.composite
-def _bodies(draw):
-    body = {}
-    for key in draw(st.lists(st.sampled_from(_fields), max_size=8, unique=True)):
-        body[key] = draw(_good[key] if key in _good and draw(st.booleans()) else _values)
-    if "max_tokens" not in body and draw(st.integers(0, 4)):
-        body["max_tokens"] = 3  # keep most examples short
-    return body
+def _requests(draw):
+    path = draw(st.sampled_from(sorted(_bases)))
+    if draw(st.integers(0, 9)) == 0:
+        return path, draw(st.binary(max_size=40))
+    body = dict(_bases[path])
+    for key in draw(st.lists(st.sampled_from(sorted(_plausible)), max_size=5, unique=True)):
+        body[key] = draw(_junk if draw(st.integers(0, 4)) == 0 else _plausible[key])
+    for key in draw(st.lists(st.sampled_from(sorted(body)), max_size=1)):
+        del body[key]
+    return path, json.dumps(body).encode()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
-@given(body=_bodies(), path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize"]),
-       raw=st.one_of(st.none(), st.binary(max_size=40)))
-def test_fuzz_never_5xx(http, server, body, path, raw):
-    content = raw if raw is not None else json.dumps(body).encode()
+@settings(max_examples=60, deadline=timedelta(seconds=20),
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(request=_requests())
+def test_fuzz_never_5xx(http, server, request):
+    path, content = request
     r = http.post(path, content=content, timeout=30)
-    assert r.status_code < 500, (body, r.text)
+    event(f"{path} -> {r.status_code}")
+    assert r.status_code < 500, (content, r.text)
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        assert r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text
     assert server.app.state.internal_errors == 0
 
 
@@ -521,11 +557,12 @@ def test_cut_streams_free_every_block(server, engine):
             req = c.build_request("POST", "/v1/completions" if i % 2 else "/v1/chat/completions",
                                   json=body if i % 2 else {**body, "messages": [{"role": "user", "content": "x"}]})
             responses.append(c.send(req, stream=True))
+        readers = []  # keep the iterators alive until the streams are deliberately cut
         for r in responses:
             assert r.status_code == 200
-            lines = r.iter_lines()
+            readers.append(r.iter_lines())
             got = 0
-            for line in lines:
+            for line in readers[-1]:
                 got += line.startswith("data: {")
                 if got >= 3:
                     break
@@ -578,7 +615,8 @@ def test_capacity_limit_gives_429_and_cut_streams_release():
         body = {"prompt": [5], "max_tokens": 2, "stream": True, "return_token_ids": True}
         with http.stream("POST", "/v1/completions", json=body) as first:
             assert first.status_code == 200
-            assert next(first.iter_lines()).startswith("data: {")
+            lines = first.iter_lines()  # keep a reference: a collected iterator closes the stream
+            assert next(lines).startswith("data: {")
             busy = http.post("/v1/completions", json={"prompt": [5], "max_tokens": 2})
             err = _error(busy, 429)
             assert busy.headers["retry-after"] == "1" and err["type"] == "server_overloaded"
@@ -591,10 +629,18 @@ def test_capacity_limit_gives_429_and_cut_streams_release():
         while not gated.closed_early or s.app.state.serving.in_flight:
             assert time.monotonic() < deadline, (gated.closed_early, s.app.state.serving.in_flight)
             time.sleep(0.01)
+        # A non-streaming client that gives up is noticed too (polled while waiting).
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json={"prompt": [5]}, timeout=0.3)
+        deadline = time.monotonic() + 3
+        while len(gated.closed_early) < 2 or s.app.state.serving.in_flight:
+            assert time.monotonic() < deadline, (gated.closed_early, s.app.state.serving.in_flight)
+            time.sleep(0.01)
         gated.gate.set()
         r = http.post("/v1/completions", json={"prompt": [5], "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-        assert len(gated.closed_early) == 1 and s.app.state.serving.in_flight == 0
+        assert len(gated.closed_early) == 2 and s.app.state.serving.in_flight == 0
+        assert 'pdserve:request_success_total{finished_reason="abort"} 2.0' in http.get("/metrics").text
         assert s.app.state.internal_errors == 0
 
 
@@ -630,9 +676,19 @@ class StubClient:
     async def stop(self) -> None: ...
 
     def generate(self, request_id, prompt_token_ids, params):
+        if params.temperature == 3.0:
+            raise RuntimeError("a bug in the client")
+        if params.top_p == 0.5:
+            raise EngineUnavailableError("no decode instance is ready")
+
         async def gen():
             if params.temperature == 2.0:
                 raise ValueError("temperature: refused lazily by this client")
+            if params.temperature == 0.5:
+                raise EngineUnavailableError("no prefill instance is ready")
+            if params.temperature == 1.5:
+                yield GenerationChunk([], finish_reason="error", error="KV transfer failed")
+                return
             for i in range(3):
                 yield GenerationChunk([10 + i], finish_reason="length" if i == 2 else None)
         return gen()
@@ -668,12 +724,45 @@ def test_health_and_instance_counters_with_a_stub_client():
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [10, 11, 12]
         _error(tc.post("/v1/completions", json={"prompt": "text"}), 400)
         _error(tc.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}), 400)
-        # A client that validates lazily (on first iteration) still yields a 400, streaming or not.
-        _error(tc.post("/v1/completions", json={"prompt": [5], "max_tokens": 3, "temperature": 2.0}), 400)
-        lines = tc.post("/v1/completions", json={"prompt": [5], "max_tokens": 3, "temperature": 2.0,
-                                                 "stream": True}).text.splitlines()
-        assert any('"code":400' in line for line in lines) and lines[-2] == "data: [DONE]"
+        # A client that validates or dispatches lazily (on first iteration) still yields a real
+        # 400 / 503, streaming or not; so does one that raises at call time.
+        for stream in (False, True):
+            body = {"prompt": [5], "max_tokens": 3, "stream": stream}
+            assert _error(tc.post("/v1/completions", json={**body, "temperature": 2.0}), 400)["param"] == "temperature"
+            for field in ({"temperature": 0.5}, {"top_p": 0.5}):
+                r = tc.post("/v1/completions", json={**body, **field})
+                assert _error(r, 503)["code"] == "engine_unavailable" and r.headers["retry-after"] == "1"
+        # An engine failure is a 500 (never a 200 with garbage), in the stream an error event.
+        assert _error(tc.post("/v1/completions", json={"prompt": [5], "temperature": 1.5}), 500)["code"] == "engine_error"
+        lines = tc.post("/v1/completions", json={"prompt": [5], "temperature": 1.5, "stream": True}).text.splitlines()
+        assert any("KV transfer failed" in line for line in lines) and lines[-2] == "data: [DONE]"
     assert app.state.internal_errors == 0
+    # A bug (not bad input) reaches the catch-all handler: a clean OpenAI-shaped 500.
+    with TestClient(app, raise_server_exceptions=False) as tc:
+        err = _error(tc.post("/v1/completions", json={"prompt": [5], "temperature": 3.0}), 500)
+        assert err["type"] == "server_error" and "bug" not in err["message"]
+    assert app.state.internal_errors == 1
+
+
+def test_dead_engine_reports_not_ready(model_dir):
+    client = LocalEngineClient(EngineConfig(model=str(model_dir), max_model_len=64, num_kv_blocks=16))
+
+    def broken_step():
+        raise RuntimeError("simulated engine crash")
+
+    client.core.step = broken_step
+
+    async def run():
+        await client.start()
+        assert client.is_ready()
+        chunks = [c async for c in client.generate("d1", [5, 6], SamplingParams(max_tokens=4))]
+        assert chunks[-1].finish_reason == "error" and "simulated engine crash" in chunks[-1].error
+        assert not client.is_ready() and not client.instances()[0].ready
+        after = [c async for c in client.generate("d2", [5, 6], SamplingParams(max_tokens=4))]
+        assert after[-1].finish_reason == "error"
+        await client.stop()
+
+    asyncio.run(run())
 
 
 def test_local_client_validates_before_yielding(engine):
