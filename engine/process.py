@@ -79,9 +79,9 @@ class EngineProcess:
                 self._receive()
                 self._transfer_kv()
                 if self.core.has_unfinished():
-                    self._send_updates(self.core.step())
                     if self.step_delay:
                         time.sleep(self.step_delay)
+                    self._send_updates(self.core.step())
                 self._heartbeat()
         finally:
             self.close()

@@ -1,0 +1,123 @@
+"""The HTTP API in front of a prefill/decode pair: many streams, cut streams, TTFT from prefill
+(issues: PD, OpenAI API)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import make_checkpoint
+from engine.config import EngineConfig
+from pd_harness import ThreadedEngines, client_for
+from server.app import build_app
+from test_detokenizer import make_tokenizer
+from test_server_api import ServerThread
+
+MODEL = "tiny-pd"
+
+
+@pytest.fixture(scope="module")
+def pd_server(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("pd-server-model")
+    tok = make_tokenizer(path)
+    make_checkpoint("qwen2", path, vocab_size=len(tok), seed=2)
+    engines = ThreadedEngines(tmp_path_factory.mktemp("pd-ipc"))
+    common = dict(model=str(path), max_model_len=256, num_threads=1)
+    engines.add("prefill", "prefill-0", EngineConfig(**common, max_num_seqs=16))
+    decode = engines.add("decode", "decode-0", EngineConfig(**common, max_num_seqs=64))
+    engines.start()
+    client = client_for(engines.specs, engines.output_addr, str(path), "pd", 256)
+    app = build_app(client, AutoTokenizer.from_pretrained(str(path)), MODEL)
+    with ServerThread(app) as server:
+        deadline = time.monotonic() + 30
+        while httpx.get(server.url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "PD server never became healthy"
+            time.sleep(0.1)
+        yield server, client, decode
+    engines.stop()
+    assert app.state.internal_errors == 0
+
+
+def wait_all_free(client, timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        infos = client.instances()
+        if all(i.kv_blocks_free == i.kv_blocks_total for i in infos) and all(i.num_running == 0 for i in infos):
+            return
+        assert time.monotonic() < deadline, f"blocks not freed within {timeout}s: {infos}"
+        time.sleep(0.05)
+
+
+def test_64_concurrent_streams_match_non_streamed_text(pd_server):
+    server, client, _ = pd_server
+    prompts = [f"stream number {i} says" for i in range(64)]
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    expected = [oai.completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+
+    async def one(aoai, p):
+        text = ""
+        stream = await aoai.completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+        return text
+
+    async def main():
+        aoai = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(aoai, p) for p in prompts)), 120)
+        finally:
+            await aoai.close()
+
+    assert asyncio.run(main()) == expected
+    wait_all_free(client)
+
+
+def test_32_cut_streams_free_every_block_on_every_instance(pd_server):
+    server, client, _ = pd_server
+    body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    clients = [httpx.Client(base_url=server.url, timeout=30) for _ in range(32)]
+    try:
+        responses = [c.send(c.build_request("POST", "/v1/completions", json=body), stream=True) for c in clients]
+        readers = []
+        for r in responses:
+            assert r.status_code == 200
+            readers.append(r.iter_lines())
+            got = 0
+            for line in readers[-1]:
+                got += line.startswith("data: {")
+                if got >= 2:
+                    break
+        assert sum(i.num_running + i.num_waiting for i in client.instances()) > 0
+        for r in responses:
+            r.close()
+    finally:
+        for c in clients:
+            c.close()
+    wait_all_free(client, timeout=2.0)
+
+
+def test_first_token_comes_from_prefill_without_waiting_for_decode(pd_server):
+    """Decode is slowed to 1.5 s per step: the first streamed token still arrives at once (from P)."""
+    server, client, decode = pd_server
+    decode.step_delay = 1.5
+    try:
+        stamps = []
+        start = time.monotonic()
+        body = {"model": MODEL, "prompt": "hello there", "max_tokens": 3, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and '"text":""' not in line.replace(" ", "") and '"text"' in line:
+                    stamps.append(time.monotonic() - start)
+        assert len(stamps) >= 2
+        assert stamps[0] < 1.0, f"first token took {stamps[0]:.2f}s: it waited for decode"
+        assert stamps[1] - stamps[0] > 1.0, "second token should come from the slowed decode instance"
+    finally:
+        decode.step_delay = 0.0
+    wait_all_free(client)
