@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -30,18 +31,20 @@ IDLE_POLL_MS = 20
 
 
 class EngineProcess:
-    def __init__(self, role: str, config: EngineConfig, name: str, input_addr: str, output_addr: str,
-                 kv_addr: str = "", kv_key: str = "", kv_lease_s: float = 30.0, kv_deadline_s: float = 60.0) -> None:
+    def __init__(self, role: str, config: EngineConfig, name: str, server_addr: str, kv_addr: str = "",
+                 kv_advertise: str = "", kv_key: str = "", kv_lease_s: float = 30.0, kv_deadline_s: float = 60.0) -> None:
         if role not in ("colocated", "prefill", "decode"):
             raise ValueError(f"role must be colocated, prefill or decode, got {role!r}")
         self.role, self.name = role, name
         self.core = EngineCore(config)
         self.zmq = zmq.Context()
-        self.inbox = self.zmq.socket(zmq.PULL)
-        self.inbox.bind(input_addr)
-        self.outbox = self.zmq.socket(zmq.PUSH)
-        self.outbox.setsockopt(zmq.LINGER, 0)
-        self.outbox.connect(output_addr)
+        # One DEALER to the front end's ROUTER, identified by our name: requests come in, tokens and
+        # heartbeats go out. Engines connect to the front end, so it discovers them by their heartbeats
+        # (any number, on any host, coming and going) and needs no list of addresses.
+        self.link = self.zmq.socket(zmq.DEALER)
+        self.link.setsockopt(zmq.IDENTITY, name.encode())
+        self.link.setsockopt(zmq.LINGER, 0)
+        self.link.connect(server_addr)
         runner = self.core.runner
         desc = compat_description(config, self.core.model_config, runner.num_kv_layers)
         chash, desc_text = compat_hash(desc), str(desc)
@@ -52,15 +55,17 @@ class EngineProcess:
                                    self.core.scheduler.release_held, kv_lease_s, kv_key)
         elif role == "decode":
             self.receiver = KVReceiver(self.zmq, runner.kv_cache, chash, desc_text, name, kv_deadline_s, kv_key)
+        self.kv_endpoint = kv_advertise or (advertised(self.sender.address) if self.sender else "")
         # Decode role: requests waiting for blocks, then for their KV.
         self.unreserved: list[tuple[Request, str]] = []
         self.awaiting_kv: dict[str, Request] = {}
         self.stopping = False
         self.last_heartbeat = 0.0
+        self.last_tick = time.monotonic()
         # Fault-injection knob for tests and drills: slow every step down (seconds).
         self.step_delay = float(os.environ.get("PDSERVE_DEBUG_STEP_DELAY", "0"))
-        logger.info("%s engine %s listening on %s%s", role, name, input_addr,
-                    f", KV port {self.sender.address}" if self.sender else "")
+        logger.info("%s engine %s connected to %s%s", role, name, server_addr,
+                    f", KV port {self.kv_endpoint}" if self.sender else "")
 
     # -- main loop -----------------------------------------------------------------------
 
@@ -68,11 +73,12 @@ class EngineProcess:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         poller = zmq.Poller()
-        poller.register(self.inbox, zmq.POLLIN)
+        poller.register(self.link, zmq.POLLIN)
         if self.sender:
             poller.register(self.sender.socket, zmq.POLLIN)
         try:
             while not self.stopping:
+                self.last_tick = time.monotonic()  # liveness: the loop is turning
                 busy = self.core.has_unfinished()
                 self._register_new_peers(poller)
                 poller.poll(0 if busy else IDLE_POLL_MS)
@@ -98,7 +104,7 @@ class EngineProcess:
     def _receive(self) -> None:
         while True:
             try:
-                data = self.inbox.recv(zmq.NOBLOCK)
+                data = self.link.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -184,7 +190,7 @@ class EngineProcess:
                                   queue_time=u.queue_time))
 
     def _emit(self, message: msg.Output | msg.Heartbeat) -> None:
-        self.outbox.send(msg.encode(message))
+        self.link.send(msg.encode(message))
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -202,7 +208,7 @@ class EngineProcess:
         for part in (self.sender, self.receiver):
             if part is not None:
                 counters.update(part.stats.as_counters())
-        self._emit(msg.Heartbeat(self.name, self.role, self.sender.address if self.sender else "",
+        self._emit(msg.Heartbeat(self.name, self.role, self.kv_endpoint,
                                  stats.kv_blocks_free, stats.kv_blocks_total, stats.num_running,
                                  stats.num_waiting + len(self.unreserved) + len(self.awaiting_kv), counters))
 
@@ -210,14 +216,20 @@ class EngineProcess:
         for part in (self.sender, self.receiver):
             if part is not None:
                 part.close()
-        self.inbox.close(0)
-        self.outbox.close(0)
+        self.link.close(0)
         self.zmq.term()
 
 
-def run_engine_process(role: str, config: EngineConfig, name: str, input_addr: str, output_addr: str, **kv) -> None:
-    """Entry point of a child process (or the `pdserve prefill|decode` commands)."""
+def advertised(bound: str) -> str:
+    """The address peers should dial for a socket bound on all interfaces (tcp://0.0.0.0:P)."""
+    if bound.startswith("tcp://0.0.0.0:"):
+        return f"tcp://{socket.gethostbyname(socket.gethostname())}:{bound.rsplit(':', 1)[1]}"
+    return bound
+
+
+def run_engine_process(role: str, config: EngineConfig, name: str, server_addr: str, **kv) -> None:
+    """Entry point of a child process (or the `pdserve prefill|decode|colocated` commands)."""
     logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
-    EngineProcess(role, config, name, input_addr, output_addr, **kv).run()
+    EngineProcess(role, config, name, server_addr, **kv).run()
 

@@ -3,6 +3,7 @@
     pdserve serve      front end + N prefill + M decode engines (or one colocated engine) on this host
     pdserve prefill    one prefill engine process        pdserve decode   one decode engine process
     pdserve colocated  one colocated engine process      pdserve server   the front end alone
+                       (engines connect to the front end's --bind-addr and are found by their heartbeats)
     pdserve generate   offline generation (no server)
 
 Every flag can also be set by environment variable: --max-num-seqs is PDSERVE_MAX_NUM_SEQS.
@@ -13,6 +14,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -90,22 +92,13 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 def cmd_engine(args: argparse.Namespace) -> None:
     from engine.process import run_engine_process
 
-    run_engine_process(args.command, engine_config(args, args.command), args.name, args.input_addr, args.output_addr,
-                       kv_addr=args.kv_addr, kv_key=args.kv_key, kv_lease_s=args.kv_lease_s,
-                       kv_deadline_s=args.kv_deadline_s)
+    name = args.name or f"{args.command}-{socket.gethostname()}"
+    run_engine_process(args.command, engine_config(args, args.command), name, args.server_addr,
+                       kv_addr=args.kv_addr, kv_advertise=args.kv_advertise, kv_key=args.kv_key,
+                       kv_lease_s=args.kv_lease_s, kv_deadline_s=args.kv_deadline_s)
 
 
-def parse_instances(values: list[str], role: str) -> list:
-    from server.pd_client import InstanceSpec
-
-    specs = []
-    for i, v in enumerate(values):
-        name, _, addr = v.rpartition("=")
-        specs.append(InstanceSpec(name or f"{role}-{i}", role, addr))
-    return specs
-
-
-def run_front_end(args: argparse.Namespace, instances: list, output_addr: str, mode: str) -> None:
+def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str) -> None:
     import asyncio
 
     import uvicorn
@@ -117,8 +110,8 @@ def run_front_end(args: argparse.Namespace, instances: list, output_addr: str, m
     model = args.model or default_model()
     model_cfg = ModelConfig.from_dir(model)
     max_model_len = args.max_model_len or min(model_cfg.max_position_embeddings, 4096)
-    client = RemoteEngineClient(instances, output_addr, mode, max_model_len, model_cfg.vocab_size,
-                                model_cfg.eos_token_ids, dead_after_s=args.dead_after_s)
+    client = RemoteEngineClient(bind_addr, mode, max_model_len, model_cfg.vocab_size, model_cfg.eos_token_ids,
+                                dead_after_s=args.dead_after_s)
     app = build_app(client, load_tokenizer(model), args.served_model_name or Path(model).name,
                     api_key=args.api_key or None)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
@@ -126,34 +119,26 @@ def run_front_end(args: argparse.Namespace, instances: list, output_addr: str, m
 
 
 def cmd_server(args: argparse.Namespace) -> None:
-    instances = parse_instances(args.prefill, "prefill") + parse_instances(args.decode, "decode") + \
-        parse_instances(args.colocated, "colocated")
-    mode = "colocated" if args.colocated else "pd"
-    run_front_end(args, instances, args.output_addr, mode)
+    run_front_end(args, args.bind_addr, args.mode)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """Front end + engine children on one host, talking over ipc:// sockets in a private folder."""
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
-    output_addr = f"ipc://{run_dir}/frontend"
+    server_addr = f"ipc://{run_dir}/frontend"
     roles = [("colocated", 1)] if args.mode == "colocated" else [("prefill", args.num_prefill), ("decode", args.num_decode)]
     threads = args.num_threads or max(1, (os.cpu_count() or 2) // sum(n for _, n in roles))
     children: list[subprocess.Popen] = []
-    instances = []
-    from server.pd_client import InstanceSpec
-
     for role, count in roles:
         for i in range(count):
             name = f"{role}-{i}"
-            input_addr = f"ipc://{run_dir}/{name}"
-            argv = [sys.executable, "-m", "server.cli", role, "--name", name, "--input-addr", input_addr,
-                    "--output-addr", output_addr, *engine_argv(args), "--num-threads", str(threads)]
+            argv = [sys.executable, "-m", "server.cli", role, "--name", name, "--server-addr", server_addr,
+                    *engine_argv(args), "--num-threads", str(threads)]
             if role == "prefill":
                 argv += ["--kv-addr", f"ipc://{run_dir}/{name}-kv"]
             if args.kv_key:
                 argv += ["--kv-key", args.kv_key]
             children.append(subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1]))
-            instances.append(InstanceSpec(name, role, input_addr))
 
     def shutdown(*_):
         for child in children:
@@ -172,7 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
           f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, \"temperature\": 0}}'", flush=True)
     try:
-        run_front_end(args, instances, output_addr, "colocated" if args.mode == "colocated" else "pd")
+        run_front_end(args, server_addr, "colocated" if args.mode == "colocated" else "pd")
     except KeyboardInterrupt:
         pass
     finally:
@@ -212,10 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     for role in ("prefill", "decode", "colocated"):
         p = sub.add_parser(role, help=f"one {role} engine process")
         add_engine_flags(p)
-        add_flag(p, "--name", str, f"{role}-0", "instance name")
-        add_flag(p, "--input-addr", str, "tcp://127.0.0.1:5600", "bind: requests from the front end")
-        add_flag(p, "--output-addr", str, "tcp://127.0.0.1:5500", "connect: the front end's output socket")
+        add_flag(p, "--name", str, None, f"unique instance name (default {role}-HOSTNAME)")
+        add_flag(p, "--server-addr", str, "tcp://127.0.0.1:5500", "connect: the front end's engine socket")
         add_flag(p, "--kv-addr", str, "", "prefill: bind address of the KV port (default tcp://127.0.0.1:random)")
+        add_flag(p, "--kv-advertise", str, "", "prefill: KV address decode instances dial (default: derived)")
         add_flag(p, "--kv-key", str, "", "shared key required on the KV port")
         add_flag(p, "--kv-lease-s", float, 30.0, "prefill: free held KV blocks after this long without the decode side")
         add_flag(p, "--kv-deadline-s", float, 60.0, "decode: give up a KV transfer after this long")
@@ -224,10 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     server = sub.add_parser("server", help="the HTTP front end alone, for engines started elsewhere")
     add_engine_flags(server)
     front_end_flags(server)
-    add_flag(server, "--output-addr", str, "tcp://127.0.0.1:5500", "bind: where engines push outputs")
-    server.add_argument("--prefill", action="append", default=[], help="NAME=ADDR of a prefill engine (repeat)")
-    server.add_argument("--decode", action="append", default=[], help="NAME=ADDR of a decode engine (repeat)")
-    server.add_argument("--colocated", action="append", default=[], help="NAME=ADDR of a colocated engine (repeat)")
+    add_flag(server, "--bind-addr", str, "tcp://127.0.0.1:5500", "bind: the socket engines connect to")
+    add_flag(server, "--mode", str, "pd", "pd | colocated: which engine roles must be present")
     server.set_defaults(func=cmd_server)
 
     gen = sub.add_parser("generate", help="offline generation, no server")

@@ -1,9 +1,9 @@
 """EngineClient over ZMQ: routes each request to engine processes (a P and a D, or one colocated).
 
-The front end binds one PULL socket that every engine pushes its outputs and heartbeats to,
-and holds one PUSH socket per engine for submissions and aborts. Routing: least outstanding
-requests per role, round-robin among ties. Failures end in a retry (fresh prefill on another P)
-or a clear error, never a hang: instances that stop heart-beating are declared dead.
+The front end binds one ROUTER socket. Every engine connects a DEALER to it under its instance
+name and heart-beats; that is how instances are discovered, on any host and in any number, and
+how dead ones drop out and come back. Routing: least outstanding requests per role, round-robin
+among ties. Failures end in a retry (fresh prefill on another P) or a clear error, never a hang.
 """
 from __future__ import annotations
 
@@ -27,16 +27,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class InstanceSpec:
+class Instance:
     name: str
     role: str          # "prefill" | "decode" | "colocated"
-    input_addr: str    # the engine's PULL socket
-
-
-@dataclass
-class Instance:
-    spec: InstanceSpec
-    socket: zmq.asyncio.Socket
     heartbeat: msg.Heartbeat | None = None
     last_seen: float = 0.0
     outstanding: set[str] = field(default_factory=set)
@@ -61,10 +54,9 @@ class Tracked:
 
 
 class RemoteEngineClient:
-    def __init__(self, instances: list[InstanceSpec], output_addr: str, mode: str, max_model_len: int,
-                 vocab_size: int, eos_token_ids: list[int], dead_after_s: float = 3.0, max_retries: int = 1) -> None:
-        self.specs = instances
-        self.output_addr = output_addr
+    def __init__(self, bind_addr: str, mode: str, max_model_len: int, vocab_size: int, eos_token_ids: list[int],
+                 dead_after_s: float = 3.0, max_retries: int = 1) -> None:
+        self.bind_addr = bind_addr
         self.mode = mode
         self.max_model_len, self.vocab_size, self.eos_token_ids = max_model_len, vocab_size, eos_token_ids
         self.dead_after_s = dead_after_s
@@ -78,22 +70,17 @@ class RemoteEngineClient:
 
     async def start(self) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.bind(self.output_addr)
-        for spec in self.specs:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 10000)
-            sock.connect(spec.input_addr)
-            self.table[spec.name] = Instance(spec, sock)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted engine takes its name back
+        self.router.setsockopt(zmq.SNDHWM, 100000)
+        self.router.bind(self.bind_addr)
         self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_instances())]
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for inst in self.table.values():
-            inst.socket.close(0)
-        self.inbox.close(0)
+        self.router.close(0)
         self.ctx.term()
 
     # -- EngineClient --------------------------------------------------------------------
@@ -136,7 +123,7 @@ class RemoteEngineClient:
 
     def is_ready(self) -> bool:
         now = time.monotonic()
-        roles = {i.spec.role for i in self.table.values() if i.alive(now, self.dead_after_s)}
+        roles = {i.role for i in self.table.values() if i.alive(now, self.dead_after_s)}
         return {"prefill", "decode"} <= roles if self.mode == "pd" else "colocated" in roles
 
     def instances(self) -> list[InstanceInfo]:
@@ -145,7 +132,7 @@ class RemoteEngineClient:
         for inst in self.table.values():
             hb = inst.heartbeat
             out.append(InstanceInfo(
-                name=inst.spec.name, role=inst.spec.role, ready=inst.alive(now, self.dead_after_s),
+                name=inst.name, role=inst.role, ready=inst.alive(now, self.dead_after_s),
                 kv_blocks_free=hb.kv_blocks_free if hb else 0, kv_blocks_total=hb.kv_blocks_total if hb else 0,
                 num_running=hb.num_running if hb else 0, num_waiting=hb.num_waiting if hb else 0,
                 counters=dict(hb.counters) if hb else {}))
@@ -156,7 +143,7 @@ class RemoteEngineClient:
     def _pick(self, role: str, exclude: str | None = None) -> Instance | None:
         now = time.monotonic()
         live = [i for i in self.table.values()
-                if i.spec.role == role and i.alive(now, self.dead_after_s) and i.spec.name != exclude]
+                if i.role == role and i.alive(now, self.dead_after_s) and i.name != exclude]
         if not live:
             return None
         start = next(self._rr) % len(live)
@@ -168,20 +155,20 @@ class RemoteEngineClient:
             inst = self._pick("colocated")
             if inst is None:
                 raise EngineUnavailableError("no engine instance is ready")
-            tracked.prefill = tracked.decode = inst.spec.name
+            tracked.prefill = tracked.decode = inst.name
             inst.outstanding.add(tracked.req_id)
-            self._send(inst.spec.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params))
+            self._send(inst.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params))
             return
         p = self._pick("prefill", exclude=avoid_prefill) or (self._pick("prefill") if avoid_prefill else None)
         d = self._pick("decode")
         if p is None or d is None:
             raise EngineUnavailableError(f"no {'prefill' if p is None else 'decode'} instance is ready")
-        tracked.prefill, tracked.decode = p.spec.name, d.spec.name
+        tracked.prefill, tracked.decode = p.name, d.name
         p.outstanding.add(tracked.req_id)
         d.outstanding.add(tracked.req_id)
         # Both at once under one id: D reserves while P prefills (DESIGN.md §1).
-        self._send(d.spec.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params, p.heartbeat.kv_endpoint))
-        self._send(p.spec.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params))
+        self._send(d.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params, p.heartbeat.kv_endpoint))
+        self._send(p.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params))
 
     def _retry_or_fail(self, tracked: Tracked, reason: str) -> None:
         """A fresh prefill on another P if allowed, else a clear error to the client."""
@@ -203,7 +190,7 @@ class RemoteEngineClient:
 
     def _send(self, name: str, message: msg.ToEngine) -> None:
         try:
-            self.table[name].socket.send(msg.encode(message), zmq.NOBLOCK)
+            self.router.send_multipart([name.encode(), msg.encode(message)], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             logger.warning("could not send to %s: %s", name, e)
 
@@ -217,20 +204,24 @@ class RemoteEngineClient:
 
     async def _read_outputs(self) -> None:
         while True:
-            data = await self.inbox.recv()
+            frames = await self.router.recv_multipart()
             try:
+                identity, data = frames
                 message = msg.decode_from_engine(data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except (ValueError, msgspec.DecodeError, msgspec.ValidationError):
                 logger.warning("dropping a malformed engine message")
                 continue
-            inst = self.table.get(message.instance)
+            name = identity.decode(errors="replace")
+            inst = self.table.get(name)
+            if isinstance(message, msg.Heartbeat):
+                if inst is None or inst.role != message.role:
+                    logger.info("engine %s (%s) registered", name, message.role)
+                    inst = self.table[name] = Instance(name, message.role)
+                inst.heartbeat = message
             if inst is not None:
                 inst.last_seen = time.monotonic()
-            if isinstance(message, msg.Heartbeat):
-                if inst is not None:
-                    inst.heartbeat = message
-                continue
-            self._on_output(message)
+            if isinstance(message, msg.Output) and message.instance == name:
+                self._on_output(message)
 
     def _on_output(self, out: msg.Output) -> None:
         tracked = self.tracked.get(out.req_id)
@@ -277,4 +268,4 @@ class RemoteEngineClient:
                     if tracked is None:
                         inst.outstanding.discard(req_id)
                         continue
-                    self._retry_or_fail(tracked, f"{inst.spec.role} instance {name} died")
+                    self._retry_or_fail(tracked, f"{inst.role} instance {name} died")

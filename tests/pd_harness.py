@@ -17,7 +17,7 @@ from pathlib import Path
 from engine.config import EngineConfig, ModelConfig
 from engine.process import EngineProcess
 from engine.sampling_params import SamplingParams
-from server.pd_client import InstanceSpec, RemoteEngineClient
+from server.pd_client import RemoteEngineClient
 from server.protocol import EngineUnavailableError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,18 +43,15 @@ class ThreadedEngines:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.output_addr = f"ipc://{tmp}/out-{uuid.uuid4().hex[:6]}"
+        self.server_addr = f"ipc://{tmp}/frontend-{uuid.uuid4().hex[:6]}"
         self.procs: dict[str, EngineProcess] = {}
         self.threads: list[threading.Thread] = []
-        self.specs: list[InstanceSpec] = []
 
     def add(self, role: str, name: str, config: EngineConfig, **kv) -> EngineProcess:
-        input_addr = f"ipc://{self.tmp}/{name}-{uuid.uuid4().hex[:6]}"
         if role == "prefill":
             kv.setdefault("kv_addr", f"ipc://{self.tmp}/{name}-kv-{uuid.uuid4().hex[:6]}")
-        proc = EngineProcess(role, config, name, input_addr, self.output_addr, **kv)
+        proc = EngineProcess(role, config, name, self.server_addr, **kv)
         self.procs[name] = proc
-        self.specs.append(InstanceSpec(name, role, input_addr))
         thread = threading.Thread(target=proc.run, daemon=True, name=name)
         self.threads.append(thread)
         return proc
@@ -70,10 +67,9 @@ class ThreadedEngines:
             t.join(timeout=10)
 
 
-def client_for(specs: list[InstanceSpec], output_addr: str, model: str, mode: str, max_model_len: int,
-               **kwargs) -> RemoteEngineClient:
+def client_for(server_addr: str, model: str, mode: str, max_model_len: int, **kwargs) -> RemoteEngineClient:
     cfg = ModelConfig.from_dir(model)
-    return RemoteEngineClient(specs, output_addr, mode, max_model_len, cfg.vocab_size, cfg.eos_token_ids, **kwargs)
+    return RemoteEngineClient(server_addr, mode, max_model_len, cfg.vocab_size, cfg.eos_token_ids, **kwargs)
 
 
 async def generate_all(client: RemoteEngineClient, prompts: list[list[int]], params: SamplingParams,
@@ -123,19 +119,16 @@ class ProcessGroup:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.output_addr = f"ipc://{tmp}/out-{uuid.uuid4().hex[:6]}"
+        self.server_addr = f"ipc://{tmp}/frontend-{uuid.uuid4().hex[:6]}"
         self.procs: dict[str, subprocess.Popen] = {}
-        self.specs: list[InstanceSpec] = []
         self.argv: dict[str, list[str]] = {}
 
     def add(self, role: str, name: str, model: str, *flags: str, env: dict | None = None) -> None:
-        input_addr = f"ipc://{self.tmp}/{name}-{uuid.uuid4().hex[:6]}"
-        argv = [sys.executable, "-m", "server.cli", role, "--model", model, "--name", name, "--input-addr", input_addr,
-                "--output-addr", self.output_addr, "--num-threads", "1", *flags]
+        argv = [sys.executable, "-m", "server.cli", role, "--model", model, "--name", name,
+                "--server-addr", self.server_addr, "--num-threads", "1", *flags]
         if role == "prefill":
             argv += ["--kv-addr", f"ipc://{self.tmp}/{name}-kv-{uuid.uuid4().hex[:6]}"]
         self.argv[name] = argv
-        self.specs.append(InstanceSpec(name, role, input_addr))
         self.start(name, env)
 
     def start(self, name: str, env: dict | None = None) -> None:

@@ -27,7 +27,7 @@ def pd_outputs(tmp_path, model: str, prompts, params=GREEDY, decode_kwargs=None,
         engines.add("decode", "decode-0", EngineConfig(**common, **{"max_num_seqs": 2, **(decode_kwargs or {})}))
         mode = "pd"
     engines.start()
-    client = client_for(engines.specs, engines.output_addr, model, mode, 400)
+    client = client_for(engines.server_addr, model, mode, 400)
     try:
         with running_client(client) as run:
             run(wait_ready(client))

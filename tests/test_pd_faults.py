@@ -30,10 +30,8 @@ def test_decode_dies_after_receiving_kv_prefill_frees_blocks_within_lease(checkp
     prefill = engines.add("prefill", "prefill-0", EngineConfig(model=model, max_model_len=256), kv_lease_s=1.5)
     engines.start()
     ctx = zmq.Context()
-    out = ctx.socket(zmq.PULL)
-    out.bind(engines.output_addr)
-    inbox = ctx.socket(zmq.PUSH)
-    inbox.connect(engines.specs[0].input_addr)
+    front = ctx.socket(zmq.ROUTER)  # stands in for the front end
+    front.bind(engines.server_addr)
     fake_d = ctx.socket(zmq.DEALER)
     fake_d.connect(prefill.sender.address)
     fake_d.setsockopt(zmq.RCVTIMEO, 10000)
@@ -41,7 +39,10 @@ def test_decode_dies_after_receiving_kv_prefill_frees_blocks_within_lease(checkp
         fake_d.send(m.encode(m.Hello(prefill.sender.compat_hash, "", "fake-decode")))
         assert isinstance(m.decode(fake_d.recv()), m.HelloAck)
         from engine import messages as em
-        inbox.send(em.encode(em.Submit("r1", random_prompts(1, 60, 60, VOCAB, 81)[0], {"max_tokens": 8, "temperature": 0.0})))
+        front.setsockopt(zmq.RCVTIMEO, 10000)
+        front.recv_multipart()  # the first heartbeat: prefill-0 is connected
+        front.send_multipart([b"prefill-0", em.encode(em.Submit("r1", random_prompts(1, 60, 60, VOCAB, 81)[0],
+                                                                 {"max_tokens": 8, "temperature": 0.0}))])
         fake_d.send(m.encode(m.PullKV("r1")))
         frames = fake_d.recv_multipart()
         header = m.decode(frames[0])
@@ -56,7 +57,7 @@ def test_decode_dies_after_receiving_kv_prefill_frees_blocks_within_lease(checkp
         assert prefill.sender.stats.leases_expired == 1
     finally:
         engines.stop()
-        for s in (out, inbox, fake_d):
+        for s in (front, fake_d):
             s.close(0)
         ctx.term()
 
@@ -67,7 +68,7 @@ def test_decode_killed_under_load_no_hang_no_leak(checkpoints, tmp_path):
     group.add("prefill", "prefill-0", model, "--max-model-len", "256", "--kv-lease-s", "2")
     group.add("decode", "decode-0", model, "--max-model-len", "256", "--max-num-seqs", "4",
               env={"PDSERVE_DEBUG_STEP_DELAY": "0.02"})
-    client = client_for(group.specs, group.output_addr, model, "pd", 256, dead_after_s=1.0)
+    client = client_for(group.server_addr, model, "pd", 256, dead_after_s=1.0)
     try:
         with running_client(client) as run:
             run(wait_ready(client))
@@ -105,7 +106,7 @@ def test_prefill_killed_mid_prefill(num_prefill, checkpoints, references, tmp_pa
         group.add("prefill", f"prefill-{i}", model, "--max-model-len", "256", "--max-num-batched-tokens", "16",
                   env={"PDSERVE_DEBUG_STEP_DELAY": "0.25"})
     group.add("decode", "decode-0", model, "--max-model-len", "256", "--kv-deadline-s", "20")
-    client = client_for(group.specs, group.output_addr, model, "pd", 256, dead_after_s=1.0)
+    client = client_for(group.server_addr, model, "pd", 256, dead_after_s=1.0)
     prompt = random_prompts(1, 200, 200, VOCAB, 83)[0]
     try:
         with running_client(client) as run:
@@ -137,7 +138,7 @@ def test_garbage_frames_to_kv_port_are_dropped_and_counted(checkpoints, tmp_path
     prefill = engines.add("prefill", "prefill-0", EngineConfig(model=model, max_model_len=256))
     engines.add("decode", "decode-0", EngineConfig(model=model, max_model_len=256))
     engines.start()
-    client = client_for(engines.specs, engines.output_addr, model, "pd", 256)
+    client = client_for(engines.server_addr, model, "pd", 256)
     ctx = zmq.Context()
     attacker = ctx.socket(zmq.DEALER)
     attacker.connect(prefill.sender.address)
@@ -173,15 +174,11 @@ def test_truncated_kv_payload_fails_clearly_and_frees(checkpoints, tmp_path):
     fake_p = ctx.socket(zmq.ROUTER)
     kv_addr = f"ipc://{tmp_path}/fake-p-kv"
     fake_p.bind(kv_addr)
-    fake_inbox = ctx.socket(zmq.PULL)
-    fake_p_input = f"ipc://{tmp_path}/fake-p-in"
-    fake_inbox.bind(fake_p_input)
     from engine import messages as em
-    from server.pd_client import InstanceSpec
-    heartbeat_out = ctx.socket(zmq.PUSH)
-    heartbeat_out.connect(engines.output_addr)
-    specs = engines.specs + [InstanceSpec("prefill-0", "prefill", fake_p_input)]
-    client = client_for(specs, engines.output_addr, model, "pd", 256)
+    heartbeat_out = ctx.socket(zmq.DEALER)  # the fake prefill's link to the front end
+    heartbeat_out.setsockopt(zmq.IDENTITY, b"prefill-0")
+    heartbeat_out.connect(engines.server_addr)
+    client = client_for(engines.server_addr, model, "pd", 256)
     stop = False
 
     def fake_prefill():
@@ -218,7 +215,7 @@ def test_truncated_kv_payload_fails_clearly_and_frees(checkpoints, tmp_path):
         stop = True
         t.join(2)
         engines.stop()
-        for s in (fake_p, fake_inbox, heartbeat_out):
+        for s in (fake_p, heartbeat_out):
             s.close(0)
         ctx.term()
 
@@ -230,7 +227,7 @@ def test_peer_with_different_model_refused_at_handshake(checkpoints, tmp_path):
     prefill = engines.add("prefill", "prefill-0", EngineConfig(model=model_a, max_model_len=256))
     decode = engines.add("decode", "decode-0", EngineConfig(model=model_b, max_model_len=256))
     engines.start()
-    client = client_for(engines.specs, engines.output_addr, model_a, "pd", 256)
+    client = client_for(engines.server_addr, model_a, "pd", 256)
     try:
         with running_client(client) as run:
             run(wait_ready(client))

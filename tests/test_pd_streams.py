@@ -31,7 +31,7 @@ def pd_server(tmp_path_factory):
     engines.add("prefill", "prefill-0", EngineConfig(**common, max_num_seqs=16))
     decode = engines.add("decode", "decode-0", EngineConfig(**common, max_num_seqs=64))
     engines.start()
-    client = client_for(engines.specs, engines.output_addr, str(path), "pd", 256)
+    client = client_for(engines.server_addr, str(path), "pd", 256)
     app = build_app(client, AutoTokenizer.from_pretrained(str(path)), MODEL)
     with ServerThread(app) as server:
         deadline = time.monotonic() + 30
