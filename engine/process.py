@@ -204,7 +204,7 @@ class EngineProcess:
                          "spec_decode_num_draft_tokens_total": spec.num_draft_tokens,
                          "spec_decode_num_accepted_tokens_total": spec.num_accepted_tokens})
         for pos, n in enumerate(spec.accepted_per_pos):
-            counters[f"spec_decode_num_accepted_tokens_per_pos_total:{pos}"] = n
+            counters[f"spec_decode_num_accepted_tokens_per_pos_total{{position={pos}}}"] = n
         for part in (self.sender, self.receiver):
             if part is not None:
                 counters.update(part.stats.as_counters())

@@ -67,10 +67,14 @@ class _InstanceCollector:
         counters: dict[str, CounterMetricFamily] = {}
         for info in infos:
             for key, val in (info.counters or {}).items():
-                name = metric_name(key)
+                # "name{label=value}" carries one extra label (e.g. the draft position).
+                m = re.fullmatch(r"([^{]+)\{(\w+)=([^}]*)\}", key)
+                base, extra = (m.group(1), {m.group(2): m.group(3)}) if m else (key, {})
+                name = metric_name(base)
                 if name not in counters:
-                    counters[name] = CounterMetricFamily(name, f"Engine counter {key}.", labels=["instance", "role"])
-                counters[name].add_metric([info.name, info.role], float(val))
+                    counters[name] = CounterMetricFamily(name, f"Engine counter {base}.",
+                                                         labels=["instance", "role", *extra])
+                counters[name].add_metric([info.name, info.role, *extra.values()], float(val))
         yield from counters.values()
 
 
