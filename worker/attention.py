@@ -21,19 +21,19 @@ class StepLayout:
     num_computed: np.ndarray     # [B] tokens already in the cache before this step
     query_lens: np.ndarray       # [B] tokens computed this step
 
-    @property
-    def query_start_loc(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(self.query_lens)]).astype(np.int32)
-
-    @property
-    def seq_lens(self) -> np.ndarray:
-        return self.num_computed + self.query_lens
+    def __post_init__(self) -> None:
+        self.query_start_loc = np.zeros(len(self.query_lens) + 1, dtype=np.int32)
+        np.cumsum(self.query_lens, out=self.query_start_loc[1:])
+        self.seq_lens = self.num_computed + self.query_lens
+        if int(self.query_lens.max()) == 1:  # all single-token rows (decode): one position each
+            self._positions = self.num_computed.astype(np.int64)
+        else:
+            row = np.repeat(np.arange(len(self.query_lens)), self.query_lens)
+            self._positions = (self.num_computed[row] + (np.arange(int(self.query_start_loc[-1]))
+                                                         - self.query_start_loc[:-1][row])).astype(np.int64)
 
     def positions(self) -> np.ndarray:
-        qsl = self.query_start_loc
-        total = int(qsl[-1])
-        row = np.repeat(np.arange(len(self.query_lens)), self.query_lens)
-        return (self.num_computed[row] + (np.arange(total) - qsl[:-1][row])).astype(np.int64)
+        return self._positions
 
 
 class AttentionContext:
@@ -45,29 +45,37 @@ class AttentionContext:
         b = len(layout.query_lens)
         qsl = layout.query_start_loc
         positions = layout.positions()
-        row = np.repeat(np.arange(b), layout.query_lens)
-        bt = layout.block_tables.astype(np.int64)
-        slot_mapping = bt[row, positions // block_size] * block_size + positions % block_size
-
+        bt = layout.block_tables
         max_q, max_kv = int(layout.query_lens.max()), int(layout.seq_lens.max())
-        i = np.arange(max_q)[None, :]
-        j = np.arange(max_kv)[None, :]
-        q_valid = i < layout.query_lens[:, None]
-        q_gather = np.where(q_valid, qsl[:-1, None] + i, 0)
-        kv_valid = j < layout.seq_lens[:, None]
+        decode_only = max_q == 1  # the common case gets the short path: no query padding at all
+        row = np.arange(b) if decode_only else np.repeat(np.arange(b), layout.query_lens)
+        slot_mapping = bt[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+        j = np.arange(max_kv)
+        kv_valid = j[None, :] < layout.seq_lens[:, None]
         blk = np.minimum(j // block_size, bt.shape[1] - 1)
-        kv_gather = np.where(kv_valid, bt[np.arange(b)[:, None], blk] * block_size + j % block_size, 0)
-        # Query i of row r sits at absolute position num_computed[r] + i and sees keys j <= that.
-        q_pos = layout.num_computed[:, None, None] + i[:, :, None]   # [B, max_q, 1]
-        mask = (j[:, None, :] <= q_pos) & kv_valid[:, None, :]
-        if sliding_window is not None:
-            mask &= j[:, None, :] > q_pos - sliding_window
-        mask |= ~q_valid[:, :, None] & (j[:, None, :] == 0)  # padding rows attend somewhere: no NaNs
+        kv_gather = bt[:, blk].astype(np.int64) * block_size + (j % block_size)[None, :]
+        kv_gather[~kv_valid] = 0
+        if decode_only:
+            mask = kv_valid[:, None, :]  # each row's single query sees its whole sequence
+            if sliding_window is not None:
+                mask = mask & (j[None, None, :] > positions[:, None, None] - sliding_window)
+            self.q_gather = self.q_valid = None
+        else:
+            i = np.arange(max_q)[None, :]
+            q_valid = i < layout.query_lens[:, None]
+            q_gather = np.where(q_valid, qsl[:-1, None] + i, 0)
+            # Query i of row r sits at absolute position num_computed[r] + i and sees keys j <= that.
+            q_pos = layout.num_computed[:, None, None] + i[:, :, None]   # [B, max_q, 1]
+            mask = (j[None, None, :] <= q_pos) & kv_valid[:, None, :]
+            if sliding_window is not None:
+                mask &= j[None, None, :] > q_pos - sliding_window
+            mask |= ~q_valid[:, :, None] & (j[None, None, :] == 0)  # padding rows attend somewhere: no NaNs
+            self.q_gather = torch.from_numpy(q_gather).to(device)
+            self.q_valid = torch.from_numpy(q_valid).to(device)
 
         self.positions = torch.from_numpy(positions).to(device)
         self.slot_mapping = torch.from_numpy(slot_mapping).to(device)
-        self.q_gather = torch.from_numpy(q_gather).to(device)
-        self.q_valid = torch.from_numpy(q_valid).to(device)
         self.kv_gather = torch.from_numpy(kv_gather).to(device)
         self.mask = torch.from_numpy(mask).unsqueeze(1).to(device)  # [B, 1, max_q, max_kv]
 
@@ -78,10 +86,11 @@ class AttentionContext:
         v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
         keys = k_cache[self.kv_gather].transpose(1, 2)      # [B, Hkv, max_kv, D]
         values = v_cache[self.kv_gather].transpose(1, 2)
-        queries = q[self.q_gather].transpose(1, 2)          # [B, H, max_q, D]
+        queries = (q.unsqueeze(1) if self.q_gather is None else q[self.q_gather]).transpose(1, 2)  # [B, H, max_q, D]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask,
                                              enable_gqa=queries.shape[1] != keys.shape[1])
-        return out.transpose(1, 2)[self.q_valid]
+        out = out.transpose(1, 2)
+        return out[:, 0] if self.q_valid is None else out[self.q_valid]
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
