@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from kv_transfer import messages as m
 from pd_harness import (ProcessGroup, ThreadedEngines, client_for, generate_all, running_client, wait_blocks_free,
-                        wait_ready)
+                        wait_ready, wait_until)
 
 VOCAB = 384
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -50,10 +50,8 @@ def test_decode_dies_after_receiving_kv_prefill_frees_blocks_within_lease(checkp
         fake_d.close(0)  # "killed": no ack, no keepalive
         core = prefill.core
         assert core.stats().kv_blocks_free < core.stats().kv_blocks_total  # held under the lease
-        deadline = time.monotonic() + 5
-        while core.stats().kv_blocks_free != core.stats().kv_blocks_total:
-            assert time.monotonic() < deadline, "prefill did not free the blocks after the lease expired"
-            time.sleep(0.05)
+        wait_until(lambda: core.stats().kv_blocks_free == core.stats().kv_blocks_total, 5,
+                   "prefill to free the blocks after the lease expired")
         assert prefill.sender.stats.leases_expired == 1
     finally:
         engines.stop()
@@ -86,13 +84,9 @@ def test_decode_killed_under_load_no_hang_no_leak(checkpoints, tmp_path):
             assert errors, "killing the only decode instance must fail its requests"
             assert all("died" in r["error"] or "no decode" in r["error"] for r in errors)
             # Prefill holds no blocks for the dead decode once leases run out.
-            deadline = time.monotonic() + 8
-            while True:
-                info = next(i for i in client.instances() if i.name == "prefill-0")
-                if info.kv_blocks_free == info.kv_blocks_total:
-                    break
-                assert time.monotonic() < deadline, f"prefill leaked blocks: {info}"
-                time.sleep(0.1)
+            prefill = lambda: next(i for i in client.instances() if i.name == "prefill-0")  # noqa: E731
+            wait_until(lambda: prefill().kv_blocks_free == prefill().kv_blocks_total, 8,
+                       "the prefill instance to free every block")
     finally:
         group.stop()
 
@@ -207,10 +201,8 @@ def test_truncated_kv_payload_fails_clearly_and_frees(checkpoints, tmp_path):
             assert result["finish_reason"] == "error" and "truncated" in result["error"]
             assert decode.receiver.stats.transfers_failed == 2  # first try and the retry
             core = decode.core
-            deadline = time.monotonic() + 3
-            while core.stats().kv_blocks_free != core.stats().kv_blocks_total:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_until(lambda: core.stats().kv_blocks_free == core.stats().kv_blocks_total, 3,
+                       "decode to free the reserved blocks")
     finally:
         stop = True
         t.join(2)
