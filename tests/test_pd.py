@@ -84,3 +84,16 @@ def test_pd_with_mtp_equals_transformers(mtp_checkpoints, references, tmp_path):
     for i, (p, r) in enumerate(zip(prompts, results)):
         assert r["error"] is None
         references["llama"].assert_matches(p, r["tokens"], NEW, f"pd+mtp/prompt {i}")
+
+
+def test_request_finished_by_t0_on_prefill_releases_decode_reservation(checkpoints, references, tmp_path):
+    """max_tokens=1, or t0 is a stop token: P finishes the request itself and D's blocks come back."""
+    prompts = random_prompts(6, 5, 100, VOCAB, 75)
+    results, _ = pd_outputs(tmp_path, str(checkpoints["qwen2"]), prompts,
+                            params=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    for p, r in zip(prompts, results):
+        assert r["finish_reason"] == "length" and r["tokens"] == references["qwen2"].generate(p, NEW)[0][:1]
+    t0 = references["qwen2"].generate(prompts[0], NEW)[0][0]
+    results, _ = pd_outputs(tmp_path, str(checkpoints["qwen2"]), prompts[:1],
+                            params=SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[t0]))
+    assert results[0]["finish_reason"] == "stop" and results[0]["tokens"] == [t0]
