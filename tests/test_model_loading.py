@@ -68,3 +68,21 @@ def test_bfloat16_runs_and_mostly_agrees(checkpoints, references):
     outs = llm.generate(prompts, GREEDY)
     first_agree = sum(o.token_ids[0] == references["qwen3"].generate(p, 12)[0][0] for p, o in zip(prompts, outs))
     assert all(len(o.token_ids) == 12 for o in outs) and first_agree >= 4
+
+
+@pytest.mark.parametrize("sliding_window", [None, 40])
+def test_mistral_with_and_without_sliding_window(tmp_path, sliding_window):
+    import transformers
+
+    from conftest import Reference
+
+    cfg = transformers.MistralConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                     initializer_range=0.08, sliding_window=sliding_window, eos_token_id=1)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    ref = Reference(tmp_path)
+    prompts = random_prompts(6, 20, 120, 384, 54)  # longer than the window
+    llm = LLM(str(tmp_path), max_model_len=256, block_size=4, max_num_batched_tokens=32)
+    for i, (p, o) in enumerate(zip(prompts, llm.generate(prompts, GREEDY))):
+        ref.assert_matches(p, o.token_ids, 12, f"mistral/window={sliding_window}/{i}")
