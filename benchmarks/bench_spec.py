@@ -39,9 +39,10 @@ def prompts_for(llm: LLM, n: int) -> list[list[int]]:
     return [llm.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
 
 
-def run(model: str, method: str | None, k: int, batch: int, new_tokens: int, rounds: int) -> tuple[float, object]:
+def run(model: str, method: str | None, k: int, batch: int, new_tokens: int, rounds: int,
+        device: str = "cpu") -> tuple[float, object]:
     llm = LLM(model, speculative_method=method, num_speculative_tokens=k, max_num_seqs=max(batch, 1),
-              max_model_len=1024)
+              max_model_len=1024, device=device)
     prompts = prompts_for(llm, batch * rounds)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
@@ -63,20 +64,21 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--k-speed", type=int, default=2, help="K for the speed comparison")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: like one engine process here)")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
-    print(f"model: {model} | greedy, {args.new_tokens} new tokens | torch threads: {args.threads}")
+    print(f"model: {model} | {args.device} | greedy, {args.new_tokens} new tokens | torch threads: {args.threads}")
     print(f"\n{'K':>2} {'accept len':>11} {'per-position acceptance':>28}")
     for k in (1, 2, 3):
-        _, stats = run(model, "mtp", k, 16, args.new_tokens, 1)
+        _, stats = run(model, "mtp", k, 16, args.new_tokens, 1, args.device)
         per_pos = " ".join(f"{n / stats.num_drafts:.2f}" for n in stats.accepted_per_pos)
         print(f"{k:>2} {stats.mean_acceptance_length:>11.2f} {per_pos:>28}")
     print(f"\n{'batch':>5} {'no-spec tok/s':>14} {f'MTP K={args.k_speed} tok/s':>16} {'speed-up':>9}")
     for batch, rounds in ((1, 4), (16, 1)):
-        base, _ = run(model, None, 1, batch, args.new_tokens, rounds)
-        spec, _ = run(model, "mtp", args.k_speed, batch, args.new_tokens, rounds)
+        base, _ = run(model, None, 1, batch, args.new_tokens, rounds, args.device)
+        spec, _ = run(model, "mtp", args.k_speed, batch, args.new_tokens, rounds, args.device)
         print(f"{batch:>5} {base:>14.1f} {spec:>16.1f} {spec / base:>8.2f}x")
 
 
