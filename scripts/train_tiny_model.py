@@ -40,6 +40,7 @@ import platform
 import shutil
 import sys
 import sysconfig
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -1061,10 +1062,9 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     out = Path(args.out).resolve()
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    # Build in a scratch folder outside the repository and replace `out` only
+    # once everything has been written and checked.
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}-build-"))
 
     # 1. corpus
     docs = collect_corpus()
@@ -1190,7 +1190,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if out.exists():
         shutil.rmtree(out)
-    tmp.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(tmp), str(out))
+    os.chmod(out, 0o755)  # mkdtemp made it private
     size = sum(f.stat().st_size for f in out.iterdir())
     LOG.info("wrote %s (%.2f MB) in %.1f min", out, size / 1e6, (time.time() - t_start) / 60)
     print(json.dumps({
