@@ -5,6 +5,7 @@
     pdserve colocated  one colocated engine process      pdserve server   the front end alone
                        (engines connect to the front end's --bind-addr and are found by their heartbeats)
     pdserve generate   offline generation (no server)
+    pdserve bench      load-test an OpenAI-compatible endpoint (vLLM `bench serve` definitions)
 
 Every flag can also be set by environment variable: --max-num-seqs is PDSERVE_MAX_NUM_SEQS.
 """
@@ -93,7 +94,14 @@ def cmd_engine(args: argparse.Namespace) -> None:
     from engine.process import run_engine_process
 
     name = args.name or f"{args.command}-{socket.gethostname()}"
+    health = None
+    if args.health_port is not None:
+        from engine.health import HealthServer
+
+        # Started before the model loads so probes get a clear 503 "starting" rather than a refused connection.
+        health = HealthServer(args.health_port, role=args.command, name=name).start()
     run_engine_process(args.command, engine_config(args, args.command), name, args.server_addr,
+                       on_engine=health.attach if health else None,
                        kv_addr=args.kv_addr, kv_advertise=args.kv_advertise, kv_key=args.kv_key,
                        kv_lease_s=args.kv_lease_s, kv_deadline_s=args.kv_deadline_s)
 
@@ -174,6 +182,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(f"--- {out.finish_reason}, {len(out.token_ids)} tokens\n{out.text}")
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    from benchmarks.bench_serving import benchmark
+
+    result = benchmark(args)
+    if result["failed"]:
+        sys.exit(1)  # scripts and CI notice failed requests without parsing the report
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -204,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_flag(p, "--kv-key", str, "", "shared key required on the KV port")
         add_flag(p, "--kv-lease-s", float, 30.0, "prefill: free held KV blocks after this long without the decode side")
         add_flag(p, "--kv-deadline-s", float, 60.0, "decode: give up a KV transfer after this long")
+        add_flag(p, "--health-port", int, None, "serve GET /health on this port (0.0.0.0) for probes; off by default")
         p.set_defaults(func=cmd_engine)
 
     server = sub.add_parser("server", help="the HTTP front end alone, for engines started elsewhere")
@@ -212,6 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(server, "--bind-addr", str, "tcp://127.0.0.1:5500", "bind: the socket engines connect to")
     add_flag(server, "--mode", str, "pd", "pd | colocated: which engine roles must be present")
     server.set_defaults(func=cmd_server)
+
+    from benchmarks.bench_serving import add_cli_args as add_bench_flags
+
+    bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server (vLLM `bench serve` metrics)",
+                           description="Flags read PDSERVE_BENCH_<FLAG> from the environment.")
+    add_bench_flags(bench)
+    bench.set_defaults(func=cmd_bench)
 
     gen = sub.add_parser("generate", help="offline generation, no server")
     add_engine_flags(gen)
@@ -223,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Engines share a few cores with the front end (and each other): OpenMP threads that spin at
+    # every barrier starve the other processes and stall whole steps (heartbeats included).
+    # Must be set before torch starts OpenMP, i.e. before anything imports torch.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.func(args)
