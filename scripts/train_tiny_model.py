@@ -782,6 +782,17 @@ def self_check(model, mtp, seqs: torch.Tensor, h: torch.Tensor, depth: int, n_po
 # --------------------------------------------------------------------------- report
 
 
+def load_history(folder: Path) -> History | None:
+    path = folder / "training_log.json"
+    if not path.exists():
+        return None
+    log = json.loads(path.read_text())
+    return History(step=log["step"], loss=log["target_loss"], mtp=log["mtp_loss"],
+                   eval_step=log["eval_step"], eval_loss=log["eval_target_loss"],
+                   eval_mtp=log["eval_mtp_loss"], chunk_wall=log["chunk_wall_seconds"],
+                   chunk_cpu=log["chunk_cpu_seconds"], chunk_load=log["chunk_load_avg"])
+
+
 def plot_losses(hist: History, path: Path, unigram_loss: float, vocab_size: int) -> None:
     import matplotlib
 
@@ -852,7 +863,8 @@ def write_card(out: Path, info: dict) -> None:
         "  per topic.",
         "* ChatML chats built from the training split: questions about pydoc topics, module docstrings and",
         "  docstrings of public top-level functions/classes, answered with that text (half with a system",
-        "  prompt), so the model knows the turn structure and ends its answers with `<|im_end|>`.",
+        "  prompt), so the model has seen the turn structure and the `<|im_end|>` that closes an answer",
+        "  (it sometimes stops there; greedy answers often loop until `max_tokens`).",
         f"* Split by file: a file/topic is held out when `int(sha256(relpath)[:8], 16) % 1000 < {info['heldout_permille']}`",
         f"  ({info['n_heldout_docs']} of {info['n_docs']} documents held out). Training stream:",
         f"  {info['train_tokens']:,} tokens ({info['n_chats']:,} chats included); held-out stream:",
@@ -903,11 +915,14 @@ def write_card(out: Path, info: dict) -> None:
         "MTP branch, so the MTP objective only shares gradients with the target through the tied",
         "embedding/`lm_head`.",
         "",
-        f"Training loop: **{info['train_seconds'] / 60:.1f} min** wall ({info['cpu_seconds'] / 60:.1f} CPU-min);",
+        f"Training loop: **{info['train_seconds'] / 60:.1f} min** wall"
+        + (f" ({info['cpu_seconds'] / 60:.1f} CPU-min)" if "cpu_seconds" in info else "") + ";",
         f"whole script (corpus, tokenizer, training, saving, evaluation): {info['total_seconds'] / 60:.1f} min, on",
-        f"{info['machine']}. Mean 1-min load average during training: {info['mean_load']:.1f} (about 2 is this",
-        "job alone on 2 cores; more means the machine was shared). At the fastest rate seen during the run",
-        f"the loop takes {info['uncontended_estimate_seconds'] / 60:.0f} min.",
+        f"{info['machine']}."
+        + (f" Mean 1-min load average during training: {info['mean_load']:.1f} (about 2 is this job alone on"
+           " 2 cores; more means the machine was shared). At the fastest rate seen during the run the loop"
+           f" takes {info['uncontended_estimate_seconds'] / 60:.0f} min." if "mean_load" in info else "")
+        + (f" {info['timing_note']}" if info.get("timing_note") else ""),
         "",
         "![loss curve](loss_curve.png)",
         "",
@@ -1000,6 +1015,11 @@ def write_card(out: Path, info: dict) -> None:
         info["command"],
         "```",
         "",
+        "`--report-only --out models/pdserve-tiny` re-runs the evaluation on the saved weights and rewrites",
+        "this card and `training_summary.json` without training (the loss plot comes from `training_log.json`",
+        "when present). `--no-autocast` trains in plain fp32 for CPUs without native bf16 (slower there; a",
+        "different, equally good model).",
+        "",
         f"Built with CPython {info['python_version']}, torch {info['torch_version']}, transformers",
         f"{info['transformers_version']}, tokenizers {info['tokenizers_version']}. The run is deterministic for a",
         "given seed on the same software and thread count; a different CPython version has a different",
@@ -1045,12 +1065,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--accept-prompts", type=int, default=48)
     ap.add_argument("--accept-prompt-len", type=int, default=32)
     ap.add_argument("--accept-new-tokens", type=int, default=64)
+    ap.add_argument("--report-only", action="store_true",
+                    help="no training: re-evaluate the existing --out folder with the settings recorded in its "
+                         "training_summary.json and rewrite its README.md, training_summary.json (and plot)")
+    ap.add_argument("--timing-note", default="", help="with --report-only: a sentence about the run's timing")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
+    prior: dict = {}
+    if args.report_only:
+        # Re-evaluate an existing folder with the settings it was trained with.
+        out_dir, note = args.out, args.timing_note
+        prior = json.loads((Path(out_dir) / "training_summary.json").read_text())
+        args = argparse.Namespace(**(vars(args) | prior["args"]))
+        args.out, args.report_only, args.timing_note = out_dir, True, note
     t_start = time.time()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     torch.set_num_threads(args.threads)
@@ -1063,8 +1094,8 @@ def main(argv: list[str] | None = None) -> None:
 
     out = Path(args.out).resolve()
     # Build in a scratch folder outside the repository and replace `out` only
-    # once everything has been written and checked.
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}-build-"))
+    # once everything has been written and checked (--report-only rewrites in place).
+    tmp = out if args.report_only else Path(tempfile.mkdtemp(prefix=f"{out.name}-build-"))
 
     # 1. corpus
     docs = collect_corpus()
@@ -1074,7 +1105,12 @@ def main(argv: list[str] | None = None) -> None:
              sum(len(d.text) for d in docs) / 1e6)
 
     # 2. tokenizer
-    tok = train_tokenizer([d.text for d in train_docs], args.vocab_size)
+    if args.report_only:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    else:
+        tok = train_tokenizer([d.text for d in train_docs], args.vocab_size)
     hf_tok = wrap_tokenizer(tok, 2048)
     eot_id, im_start_id, im_end_id = (tok.token_to_id(s) for s in SPECIAL_TOKENS)
     convs = chat_conversations(train_docs)
@@ -1092,11 +1128,13 @@ def main(argv: list[str] | None = None) -> None:
     n_target = sum(p.numel() for p in model.parameters())  # tied lm_head counted once
     n_mtp = sum(p.numel() for p in mtp.parameters())
     LOG.info("model: %d target + %d MTP parameters", n_target, n_mtp)
-    hist, train_seconds = train(model, mtp, train_stream, heldout, args)
-    LOG.info("training took %.1f s", train_seconds)
-
-    # 4. save
-    save_model(tmp, model, mtp, hf_tok, im_end_id, eot_id)
+    if args.report_only:
+        hist, train_seconds = load_history(out), prior["train_seconds"]
+    else:
+        hist, train_seconds = train(model, mtp, train_stream, heldout, args)
+        LOG.info("training took %.1f s", train_seconds)
+        # 4. save
+        save_model(tmp, model, mtp, hf_tok, im_end_id, eot_id)
 
     # 5. reload exactly what was saved and evaluate
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1146,12 +1184,16 @@ def main(argv: list[str] | None = None) -> None:
         LOG.info("sample: %r -> %r", prompt, samples[-1]["completion"])
 
     # 6. report
-    plot_losses(hist, tmp / "loss_curve.png", ppl["unigram_loss"], config.vocab_size)
+    if hist is not None:  # a folder from before training_log.json keeps its plot
+        plot_losses(hist, tmp / "loss_curve.png", ppl["unigram_loss"], config.vocab_size)
     cmd_args = list(sys.argv[1:] if argv is None else argv)
     command = " ".join([".venv/bin/python", "scripts/train_tiny_model.py"] + cmd_args)
+    if args.report_only:
+        command = prior["command"]
     info = {
         "command": command,
-        "args": vars(args) | {"out": os.path.relpath(out, REPO_ROOT) if out.is_relative_to(REPO_ROOT) else str(out)},
+        "args": {k: v for k, v in vars(args).items() if k not in ("report_only", "timing_note")}
+        | {"out": os.path.relpath(out, REPO_ROOT) if out.is_relative_to(REPO_ROOT) else str(out)},
         "python_version": platform.python_version(),
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
@@ -1166,33 +1208,47 @@ def main(argv: list[str] | None = None) -> None:
         "mtp_weights": [args.mtp_weight * args.mtp_recursive_decay ** k for k in range(args.mtp_train_depth)],
         "train_seconds": train_seconds,
         "ppl": ppl, "acceptance": acc, "self_check": check,
-        "final_train_loss": float(np.mean(hist.loss[-20:])),
         "samples": samples,
-        "cpu_seconds": float(sum(hist.chunk_cpu)),
-        "mean_load": float(np.mean(hist.chunk_load)),
-        "uncontended_estimate_seconds": float(min(hist.chunk_wall) * args.steps / max(1, args.steps // 10)),
     }
+    if hist is not None and hist.chunk_wall:
+        info |= {
+            "final_train_loss": float(np.mean(hist.loss[-20:])),
+            "cpu_seconds": float(sum(hist.chunk_cpu)),
+            "mean_load": float(np.mean(hist.chunk_load)),
+            "uncontended_estimate_seconds": float(min(hist.chunk_wall) * args.steps / max(1, args.steps // 10)),
+        }
     info["total_seconds"] = time.time() - t_start
+    if args.report_only:  # keep what only the training run could measure
+        for key in ("total_seconds", "final_train_loss", "cpu_seconds", "mean_load",
+                    "uncontended_estimate_seconds", "machine", "timing_note"):
+            if key in prior:
+                info[key] = prior[key]
+        if args.timing_note:
+            info["timing_note"] = args.timing_note
     write_card(tmp, info)
-    (tmp / "training_log.json").write_text(json.dumps({
-        "step": hist.step,
-        "target_loss": [round(x, 4) for x in hist.loss],
-        "mtp_loss": [[round(x, 4) for x in row] for row in hist.mtp],
-        "eval_step": hist.eval_step,
-        "eval_target_loss": [round(x, 4) for x in hist.eval_loss],
-        "eval_mtp_loss": [round(x, 4) for x in hist.eval_mtp],
-        "chunk_wall_seconds": [round(x, 2) for x in hist.chunk_wall],
-        "chunk_cpu_seconds": [round(x, 2) for x in hist.chunk_cpu],
-        "chunk_load_avg": [round(x, 2) for x in hist.chunk_load],
-    }) + "\n")
+    if args.report_only:
+        hist = None  # training_log.json, if any, is already there
+    if hist is not None:
+        (tmp / "training_log.json").write_text(json.dumps({
+            "step": hist.step,
+            "target_loss": [round(x, 4) for x in hist.loss],
+            "mtp_loss": [[round(x, 4) for x in row] for row in hist.mtp],
+            "eval_step": hist.eval_step,
+            "eval_target_loss": [round(x, 4) for x in hist.eval_loss],
+            "eval_mtp_loss": [round(x, 4) for x in hist.eval_mtp],
+            "chunk_wall_seconds": [round(x, 2) for x in hist.chunk_wall],
+            "chunk_cpu_seconds": [round(x, 2) for x in hist.chunk_cpu],
+            "chunk_load_avg": [round(x, 2) for x in hist.chunk_load],
+        }) + "\n")
     (tmp / "training_summary.json").write_text(json.dumps(
         {k: v for k, v in info.items() if k != "config"}, indent=2, sort_keys=True) + "\n")
 
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(tmp), str(out))
-    os.chmod(out, 0o755)  # mkdtemp made it private
+    if not args.report_only:
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(tmp), str(out))
+        os.chmod(out, 0o755)  # mkdtemp made it private
     size = sum(f.stat().st_size for f in out.iterdir())
     LOG.info("wrote %s (%.2f MB) in %.1f min", out, size / 1e6, (time.time() - t_start) / 60)
     print(json.dumps({
