@@ -11,6 +11,11 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	scripts/install_torch.sh $(PY)
 	$(PY) -m pip install -q -e '.[test]'
+	@# docker-compose only validates deploy/docker-compose.yml in the tests (no Docker engine needed).
+	@# Best-effort: Debian's package where apt-get exists and we are root; the test skips without it.
+	-command -v docker-compose >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+		{ apt-get install -y -q docker-compose || { apt-get update -q && apt-get install -y -q docker-compose; }; } \
+		>/dev/null 2>&1 || echo "note: docker-compose not installed; its test will be skipped"; }
 	touch $(STAMP)
 
 serve: $(STAMP)

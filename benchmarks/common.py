@@ -35,3 +35,37 @@ def mixed_prompts(n: int, vocab: int, min_len: int, max_len: int, seed: int = 0)
 
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def ensure_tokenizer(model_dir: str) -> str:
+    """Give a tokenizer-less checkpoint (a random-weight one) a byte-level BPE tokenizer of exactly its
+    vocabulary size, trained here on this Python's standard library sources (printable ASCII only).
+
+    The server streams text, and a checkpoint without a tokenizer streams no text at all, so its chunks
+    could not be timed the way `pdserve bench` (and vLLM's bench) time them. ASCII-only tokens never
+    end inside a UTF-8 character, so every generated token shows up in the stream as soon as it is
+    made. Byte-level BPE (vocab + merges, no special tokens) is also what transformers' Qwen2/Llama
+    tokenizer classes rebuild from `tokenizer.json`, so `AutoTokenizer` loads it for any architecture."""
+    path = Path(model_dir)
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return model_dir
+    import json
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = []
+    for f in sorted(stdlib.glob("*.py"))[:200]:
+        lines = f.read_text(errors="replace").splitlines()
+        texts.append("\n".join(ln for ln in lines if ln.isascii() and (ln.isprintable() or not ln)))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False))
+    if tok.get_vocab_size() < vocab_size:  # a tiny corpus: fill the rest with plain ASCII words
+        tok.add_tokens([f"w{i}" for i in range(vocab_size - tok.get_vocab_size())])
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    return model_dir

@@ -11,6 +11,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -227,9 +228,16 @@ def advertised(bound: str) -> str:
     return bound
 
 
-def run_engine_process(role: str, config: EngineConfig, name: str, server_addr: str, **kv) -> None:
-    """Entry point of a child process (or the `pdserve prefill|decode|colocated` commands)."""
+def run_engine_process(role: str, config: EngineConfig, name: str, server_addr: str,
+                       on_engine: Callable[[EngineProcess], None] | None = None, **kv) -> None:
+    """Entry point of a child process (or the `pdserve prefill|decode|colocated` commands).
+
+    `on_engine` sees the engine once its model is loaded, before the loop starts (the
+    `--health-port` endpoint attaches itself there)."""
     logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
-    EngineProcess(role, config, name, server_addr, **kv).run()
+    engine = EngineProcess(role, config, name, server_addr, **kv)
+    if on_engine is not None:
+        on_engine(engine)
+    engine.run()
 

@@ -10,6 +10,8 @@ A decode instance (D) connects a DEALER to a prefill instance's (P) ROUTER KV po
     D -> P  KVAck(req_id)                    (P frees its blocks)
     D -> P  KeepAlive(req_ids)               (renews P's lease on those requests)
     D -> P  Release(req_id)                  (D gave up: abort, reservation deadline)
+    P -> D  HandshakeRequired(reason)        (P does not know this connection: it restarted at the same
+                                             address, or D reconnected; D says Hello again, re-sends pulls)
 
 Tensor payloads are raw frames sent without copying; nothing is pickled.
 """
@@ -65,7 +67,12 @@ class Release(msgspec.Struct, tag=True):
     reason: str
 
 
-Message = Hello | HelloAck | HelloReject | PullKV | KVHeader | KVError | KVAck | KeepAlive | Release
+class HandshakeRequired(msgspec.Struct, tag=True):
+    reason: str
+
+
+Message = (Hello | HelloAck | HelloReject | PullKV | KVHeader | KVError | KVAck | KeepAlive | Release
+           | HandshakeRequired)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

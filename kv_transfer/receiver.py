@@ -107,10 +107,19 @@ class KVReceiver:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
-            peer = Peer(sock)
+            peer = Peer(sock, last_keepalive=time.monotonic())  # the Hello below counts as the first "keepalive"
             self.peers[endpoint] = peer
             self._send(peer, m.Hello(self.compat_hash, self.description, self.name, self.key))
         return peer
+
+    def _rehandshake(self, peer: Peer) -> None:
+        """Say Hello again; pulls not yet answered are re-sent once the HelloAck arrives."""
+        peer.state = "connecting"
+        peer.last_keepalive = time.monotonic()
+        for req_id in peer.pulls:
+            if req_id in self.pulls:
+                self.pulls[req_id].requested = False
+        self._send(peer, m.Hello(self.compat_hash, self.description, self.name, self.key))
 
     def _request(self, peer: Peer, pull: Pull) -> None:
         self._send(peer, m.PullKV(pull.req_id))
@@ -127,6 +136,10 @@ class KVReceiver:
             for req_id in list(peer.pulls):
                 if req_id in self.pulls and not self.pulls[req_id].requested:
                     self._request(peer, self.pulls[req_id])
+        elif isinstance(msg, m.HandshakeRequired):
+            if peer.state == "ready":  # every message sent meanwhile bounces: re-handshake once
+                logger.warning("prefill %s lost our handshake (restarted?): saying Hello again", endpoint)
+                self._rehandshake(peer)
         elif isinstance(msg, m.HelloReject):
             peer.state, peer.reason = "rejected", msg.reason
             self.stats.handshakes_rejected += 1
@@ -194,6 +207,11 @@ class KVReceiver:
                 peer.pulls.clear()
             elif peer.pulls and now - peer.last_keepalive > KEEPALIVE_S and peer.state == "ready":
                 self._send(peer, m.KeepAlive(sorted(peer.pulls)))
+                peer.last_keepalive = now
+            elif peer.pulls and now - peer.last_keepalive > KEEPALIVE_S and peer.state == "connecting":
+                # No HelloAck yet: the Hello may have reached a process that died before answering,
+                # and its successor at the same address would never hear from us. Say it again.
+                self._send(peer, m.Hello(self.compat_hash, self.description, self.name, self.key))
                 peer.last_keepalive = now
         for req_id in [r for r, p in self.pulls.items() if p.deadline < now]:
             pull = self.pulls[req_id]

@@ -115,6 +115,11 @@ class KVSender:
             return
         if identity not in self.peers:
             self.stats.dropped_frames += 1
+            # A well-formed message from a connection we never handshaked with: a D that knew the
+            # previous process at this address (restart) or reconnected. Without this it would wait
+            # out its whole reservation deadline on pulls nobody will ever answer.
+            self._send_msg(identity, m.HandshakeRequired(f"prefill {self.name} does not know this connection: "
+                                                         "say Hello again"))
             return
         now = time.monotonic()
         if isinstance(msg, m.PullKV):
@@ -122,9 +127,12 @@ class KVSender:
             if held is None:
                 self.pulls[msg.req_id] = PendingPull(identity, now + self.lease_s)
             else:
+                # A pull from a new connection (D re-handshaked after a reconnect): the first copy went
+                # to a connection that no longer exists, so send again. D ignores a duplicate.
+                resend = held.sent and held.requester != identity
                 held.requester = identity
                 held.deadline = now + self.lease_s
-                if not held.sent:
+                if not held.sent or resend:
                     self._send(held)
         elif isinstance(msg, m.KVAck):
             if self.held.pop(msg.req_id, None) is not None:
