@@ -108,16 +108,16 @@ def workload_description(name: str, args: argparse.Namespace) -> str:
             f"{args.output_len} new tokens, {arrivals}")
 
 
-def workload_flags(name: str, args: argparse.Namespace, model: str, tmp: Path) -> list[str]:
+def workload_flags(name: str, args: argparse.Namespace, model: str, tmp: Path, seed: int) -> list[str]:
     rate = "inf" if name == "burst" else str(args.request_rate)
     common = ["--num-prompts", str(args.num_prompts), "--request-rate", rate,
-              "--burstiness", "1.0", "--seed", str(args.seed), "--tokenizer", model, "--percentiles", "50,99",
+              "--burstiness", "1.0", "--seed", str(seed), "--tokenizer", model, "--percentiles", "50,99",
               "--ignore-eos", "--disable-tqdm"]
     concurrency = args.burst_concurrency if name == "burst" else args.max_concurrency
     if concurrency:
         common += ["--max-concurrency", str(concurrency)]
     if name == "code":
-        data = stdlib_sharegpt(tmp / "stdlib_sharegpt.json", args.num_prompts, args.prompt_lines, args.seed)
+        data = stdlib_sharegpt(tmp / f"stdlib_sharegpt_{seed}.json", args.num_prompts, args.prompt_lines, seed)
         return [*common, "--dataset-name", "sharegpt", "--dataset-path", str(data),
                 "--sharegpt-output-len", str(args.output_len), "--sharegpt-max-len", "1024"]
     return [*common, "--dataset-name", "random", "--random-input-len", str(args.input_len),
@@ -172,17 +172,47 @@ def stop(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_one(server: Server, model: str, bench_flags: list[str], out_dir: Path) -> dict:
+def run_one(server: Server, model: str, flag_sets: list[list[str]], out_dir: Path) -> list[dict]:
+    """One server, started once, measured once per request set (repeat), then stopped."""
     port = free_port()
     proc = start(server, model, port, out_dir / f"{server.key}.log")
+    results = []
     try:
         wait_healthy(proc, port)
-        argv = ["--port", str(port), *bench_flags, "--result-dir", str(out_dir), "--result-filename",
-                f"{server.key}.json", "--label", server.title]
-        print(f"\n### {server.title} ({server.threads})", flush=True)
-        return bench_serving.benchmark(bench_serving.parse_args(argv))
+        for i, flags in enumerate(flag_sets):
+            argv = ["--port", str(port), *flags, "--result-dir", str(out_dir), "--result-filename",
+                    f"{server.key}-{i}.json", "--label", f"{server.title}, run {i + 1}"]
+            print(f"\n### {server.title} ({server.threads}), run {i + 1}/{len(flag_sets)}", flush=True)
+            results.append(bench_serving.benchmark(bench_serving.parse_args(argv)))
+        return results
     finally:
         stop(proc)
+
+
+# Scalar metrics that are medians over repeats; the per-request lists are pooled over repeats.
+POOLED = ("ttfts", "itls", "e2els", "input_lens", "output_lens", "errors")
+
+
+def combine(runs: list[dict]) -> dict:
+    """The median of every scalar metric over the repeats, the pooled samples, and each run's headline numbers."""
+    import numpy as np
+
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if key in POOLED:
+            out[key] = [x for r in runs for x in r[key]]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and all(
+                isinstance(r.get(key), (int, float)) for r in runs):
+            out[key] = float(np.median([r[key] for r in runs]))
+    specs = [r["spec_decode"] for r in runs if r.get("spec_decode")]
+    if specs:
+        out["spec_decode"] = {k: float(np.median([s[k] for s in specs])) if specs[0][k] is not None else None
+                              for k in specs[0]}
+    out["completed"] = int(sum(r["completed"] for r in runs))
+    out["failed"] = int(sum(r["failed"] for r in runs))
+    out["runs"] = [{k: r[k] for k in ("p50_ttft_ms", "p99_ttft_ms", "p99_itl_ms", "mean_tpot_ms", "output_throughput",
+                                      "completed", "failed")} for r in runs]
+    return out
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -198,6 +228,9 @@ def markdown(results: dict[str, dict[str, dict]], srvs: list[Server], meta: dict
              f", {meta['mtp_layers']} MTP layer(s) (0: the MTP rows run without speculation)",
              "- every server gets the same requests at the same arrival times; greedy, `ignore_eos` (every "
              "request generates exactly its output length)",
+             f"- each workload runs {meta.get('repeats', 1)} times with different request sets (seeds); every number "
+             "is the median over those runs (ok / failed: totals), and `compare.json` keeps each run's values. "
+             "On this shared 2-core machine single runs vary by tens of percent.",
              "- thread budget: each server runs alone on the machine; its torch threads are split as the "
              "`cores` column says. The HTTP front end (pdserve) and the load generator are single-threaded "
              "asyncio processes outside that budget, identical for all servers.",
@@ -209,8 +242,11 @@ def markdown(results: dict[str, dict[str, dict]], srvs: list[Server], meta: dict
               "same). The `spinning OpenMP` row is the colocated engine with OpenMP's own default (`ACTIVE`): its 2 "
               "threads spin at the barrier of every parallel region, the front end and the load generator need "
               "CPU too, so a descheduled thread stalls every barrier of every step, and a stalled loop sends no "
-              "heartbeats (the front end declares an engine dead after 3 s). PD's engines run one thread each "
-              "and have no barriers to stall.",
+              "heartbeats (the front end declares an engine dead after 3 s). How badly depends on timing: in "
+              "earlier single runs on this machine the spinning engine collapsed (TPOT 0.2-0.5 s, 52-64 of 64 "
+              "requests failed with `colocated instance colocated-0 died`), which is why pdserve now defaults to "
+              "passive; in other runs, like these, it only adds jitter. PD's engines run one thread each and "
+              "have no barriers to stall.",
               "- MTP costs work on both sides: P runs the MTP layer over every prompt (D needs its KV), and every "
               "decode step verifies 1 + 2 tokens and runs the draft layer twice. With a 4-layer model on CPU a "
               "step is dominated by per-op overhead rather than FLOPs, and P, D, the front end and the load "
@@ -297,7 +333,7 @@ def plot(results: dict[str, dict], srvs: list[Server], workload: str, out: Path)
             ax.plot(r["timeline"]["second"], r["timeline"]["output_tokens"], label=s.title)
     ax.set_xlabel("seconds since the first request")
     ax.set_ylabel("output tokens/s")
-    ax.set_title(f"throughput timeline, workload {workload}")
+    ax.set_title(f"throughput timeline, workload {workload} (first request set)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -321,6 +357,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="request sets per workload (seeds seed..seed+N-1); the tables show medians over them")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--report-only", action="store_true", help="rewrite compare.md from compare.json, run nothing")
     args = ap.parse_args()
@@ -351,20 +389,22 @@ def main() -> None:
         results = {w: r for w, r in saved["results"].items() if w not in wanted_now}
         descriptions = {w: d for w, d in saved["meta"]["workloads"].items() if w in results}
     for workload in args.workloads.split(","):
-        flags = workload_flags(workload, args, model, run_dir)
+        # Each repeat is a different request set (seed), and every server gets the same sets.
+        flag_sets = [workload_flags(workload, args, model, run_dir, args.seed + i) for i in range(args.repeats)]
         descriptions[workload] = workload_description(workload, args)
         results[workload] = {}
         for s in srvs:
             wl_dir = run_dir / workload
             wl_dir.mkdir(exist_ok=True)
             try:
-                results[workload][s.key] = run_one(s, model, flags, wl_dir)
+                results[workload][s.key] = combine(run_one(s, model, flag_sets, wl_dir))
             except (Exception, SystemExit):  # the bench exits on a dead server: report the others anyway
                 logger.exception("%s on %s failed", s.title, workload)
         plot(results[workload], srvs, workload, out)
     from engine.config import ModelConfig
 
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": model, "random_model": random_model,
+            "repeats": args.repeats,
             "mtp_layers": ModelConfig.from_dir(model).num_mtp_layers,
             "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}",
             "workloads": {w: descriptions[w] for w in results}}
