@@ -39,23 +39,46 @@ def prompts_for(llm: LLM, n: int) -> list[list[int]]:
     return [llm.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
 
 
-def run(model: str, method: str | None, k: int, batch: int, new_tokens: int, rounds: int,
-        device: str = "cpu") -> tuple[float, object]:
+def make_llm(model: str, method: str | None, k: int, batch: int, device: str) -> LLM:
     llm = LLM(model, speculative_method=method, num_speculative_tokens=k, max_num_seqs=max(batch, 1),
               max_model_len=1024, device=device)
-    prompts = prompts_for(llm, batch * rounds)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    llm.generate(prompts_for(llm, 1), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     llm.engine.scheduler.spec_stats.__init__()
+    return llm
+
+
+def timed_round(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[int, float]:
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
-    produced = 0
-    for r in range(rounds):
-        outs = llm.generate(prompts[r * batch : (r + 1) * batch], params)
-        produced += sum(len(o.token_ids) for o in outs)
-    elapsed = time.perf_counter() - start
+    outs = llm.generate(prompts, params)
+    return sum(len(o.token_ids) for o in outs), time.perf_counter() - start
+
+
+def acceptance(model: str, k: int, new_tokens: int, device: str):
+    llm = make_llm(model, "mtp", k, 16, device)
+    llm.generate(prompts_for(llm, 16), SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
     stats = llm.engine.scheduler.spec_stats
     llm.shutdown()
-    return produced / elapsed, stats
+    return stats
+
+
+def speed(model: str, k: int, batch: int, rounds: int, new_tokens: int, device: str) -> tuple[float, float, object]:
+    """Output tok/s without and with MTP. The two engines live side by side and take turns, round
+    by round, so drift in the machine's speed (a shared VM) hits both alike."""
+    base, spec = make_llm(model, None, 1, batch, device), make_llm(model, "mtp", k, batch, device)
+    prompts = prompts_for(base, batch * rounds)
+    totals = {id(base): [0, 0.0], id(spec): [0, 0.0]}
+    for r in range(rounds):
+        chunk = prompts[r * batch : (r + 1) * batch]
+        for llm in (base, spec) if r % 2 == 0 else (spec, base):
+            n, t = timed_round(llm, chunk, new_tokens)
+            totals[id(llm)][0] += n
+            totals[id(llm)][1] += t
+    stats = spec.engine.scheduler.spec_stats
+    base.shutdown()
+    spec.shutdown()
+    (nb, tb), (ns, ts) = totals[id(base)], totals[id(spec)]
+    return nb / tb, ns / ts, stats
 
 
 def main() -> None:
@@ -72,15 +95,13 @@ def main() -> None:
     print(f"model: {model} | {args.device} | greedy, {args.new_tokens} new tokens | torch threads: {args.threads}")
     print(f"\n{'K':>2} {'accept len':>11} {'per-position acceptance':>28}")
     for k in (1, 2, 3):
-        _, stats = run(model, "mtp", k, 16, args.new_tokens, 1, args.device)
+        stats = acceptance(model, k, args.new_tokens, args.device)
         per_pos = " ".join(f"{n / stats.num_drafts:.2f}" for n in stats.accepted_per_pos)
         print(f"{k:>2} {stats.mean_acceptance_length:>11.2f} {per_pos:>28}")
-    print(f"\n{'batch':>5} {'no-spec tok/s':>14} {f'MTP K={args.k_speed} tok/s':>16} {'speed-up':>9}")
-    for batch, rounds in ((1, 4), (16, 1)):
-        base, _ = run(model, None, 1, batch, args.new_tokens, rounds, args.device)
-        spec, _ = run(model, "mtp", args.k_speed, batch, args.new_tokens, rounds, args.device)
-        print(f"{batch:>5} {base:>14.1f} {spec:>16.1f} {spec / base:>8.2f}x")
-
+    print(f"\n{'batch':>5} {'no-spec tok/s':>14} {f'MTP K={args.k_speed} tok/s':>16} {'speed-up':>9} {'accept len':>11}")
+    for batch, rounds in ((1, 16), (16, 2)):
+        base, spec, stats = speed(model, args.k_speed, batch, rounds, args.new_tokens, args.device)
+        print(f"{batch:>5} {base:>14.1f} {spec:>16.1f} {spec / base:>8.2f}x {stats.mean_acceptance_length:>11.2f}")
 
 if __name__ == "__main__":
     main()

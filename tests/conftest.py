@@ -101,13 +101,14 @@ def add_mtp_layer(model_dir: Path, seed: int = 1, std: float = 0.08) -> Path:
     from safetensors.torch import load_file, save_file
 
     from engine.config import ModelConfig
+    from worker.models.linear import checkpoint_tensors
     from worker.models.mtp import MTPLayer
 
     cfg = ModelConfig.from_dir(model_dir)
     torch.manual_seed(seed)
     layer = MTPLayer(cfg, cfg.num_hidden_layers)
     weights = load_file(model_dir / "model.safetensors")
-    for name, tensor in layer.state_dict().items():
+    for name, tensor in checkpoint_tensors(layer).items():  # Hugging Face names: q_proj, gate_proj, ...
         if name.endswith("norm.weight"):
             value = torch.ones_like(tensor)
         elif name.endswith("bias"):

@@ -52,7 +52,10 @@ def test_pdserve_loads_the_mtp_layer(bundled):
     mtp = llm.engine.runner.model.model.mtp_layers[0]
     with safe_open(str(BUNDLED_MODEL / "model.safetensors"), framework="pt") as f:
         want = f.get_tensor("model.mtp_layers.0.input_proj.weight").float()
-    assert torch.equal(mtp.input_proj.weight.detach().float(), want)
+    # The loaded weight may live only in packed form (CPU fp32): compare what the layer computes.
+    x = torch.randn(3, want.shape[1])
+    with torch.inference_mode():
+        assert torch.allclose(mtp.input_proj(x), x @ want.T, atol=1e-5)
 
 
 @pytest.mark.parametrize("method,k", [("mtp", 1), ("mtp", 2), ("mtp", 3), ("mtp", 4), ("ngram", 3)])

@@ -86,3 +86,37 @@ def test_mistral_with_and_without_sliding_window(tmp_path, sliding_window):
     llm = LLM(str(tmp_path), max_model_len=256, block_size=4, max_num_batched_tokens=32)
     for i, (p, o) in enumerate(zip(prompts, llm.generate(prompts, GREEDY))):
         ref.assert_matches(p, o.token_ids, 12, f"mistral/window={sliding_window}/{i}")
+
+
+def test_stacked_projections_take_each_checkpoint_tensor(checkpoints):
+    """q/k/v and gate/up are loaded into row slices of one stacked GEMM each (and packed on CPU):
+    every layer computes exactly what the separate checkpoint tensors would."""
+    path = checkpoints["qwen2"]  # qkv bias too
+    weights = load_file(str(path / "model.safetensors"))
+    llm = LLM(str(path), max_model_len=64)
+    layer = llm.engine.runner.model.model.layers[1]
+    assert layer.self_attn.qkv_proj.packed is not None  # CPU fp32: the oneDNN path is the one under test
+    pre = "model.layers.1."
+    x = torch.randn(5, weights[pre + "self_attn.q_proj.weight"].shape[1])
+    with torch.inference_mode():
+        qkv = layer.self_attn.qkv_proj(x)
+        gate_up = layer.mlp.gate_up_proj(x)
+    want_qkv = torch.cat([x @ weights[pre + f"self_attn.{n}_proj.weight"].T + weights[pre + f"self_attn.{n}_proj.bias"]
+                          for n in "qkv"], dim=-1)
+    want_gate_up = torch.cat([x @ weights[pre + f"mlp.{n}_proj.weight"].T for n in ("gate", "up")], dim=-1)
+    torch.testing.assert_close(qkv, want_qkv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gate_up, want_gate_up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 17])
+def test_packed_linear_matches_f_linear(rows):
+    from worker.models.linear import Linear
+
+    torch.manual_seed(rows)
+    lin = Linear(48, 80, bias=True)
+    x = torch.randn(rows, 48)
+    with torch.inference_mode():
+        want = torch.nn.functional.linear(x, lin.weight, lin.bias)
+        lin.pack(keep_weight=False)
+        assert lin.weight.numel() == 0  # the packed copy is the only one left
+        torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=1e-5)

@@ -47,8 +47,7 @@ class AttentionContext:
         positions = layout.positions()
         bt = layout.block_tables
         max_q, max_kv = int(layout.query_lens.max()), int(layout.seq_lens.max())
-        decode_only = max_q == 1  # the common case gets the short path: no query padding at all
-        row = np.arange(b) if decode_only else np.repeat(np.arange(b), layout.query_lens)
+        row = np.repeat(np.arange(b), layout.query_lens)
         slot_mapping = bt[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
         j = np.arange(max_kv)
@@ -56,41 +55,47 @@ class AttentionContext:
         blk = np.minimum(j // block_size, bt.shape[1] - 1)
         kv_gather = bt[:, blk].astype(np.int64) * block_size + (j % block_size)[None, :]
         kv_gather[~kv_valid] = 0
-        if decode_only:
-            mask = kv_valid[:, None, :]  # each row's single query sees its whole sequence
-            if sliding_window is not None:
-                mask = mask & (j[None, None, :] > positions[:, None, None] - sliding_window)
-            self.q_gather = self.q_valid = None
-        else:
-            i = np.arange(max_q)[None, :]
+        i = np.arange(max_q)[None, :]
+        # Query i of row r sits at absolute position num_computed[r] + i and sees keys j <= that.
+        q_pos = layout.num_computed[:, None, None] + i[:, :, None]   # [B, max_q, 1]
+        mask = (j[None, None, :] <= q_pos) & kv_valid[:, None, :]
+        if sliding_window is not None:
+            mask &= j[None, None, :] > q_pos - sliding_window
+        # Rows of equal length (every decode step; verify steps with equal draft counts) need no
+        # query padding: the flat tokens are already [B, max_q] row-major.
+        self.max_q = max_q
+        self.q_gather = self.q_valid = None
+        if not (layout.query_lens == max_q).all():
             q_valid = i < layout.query_lens[:, None]
             q_gather = np.where(q_valid, qsl[:-1, None] + i, 0)
-            # Query i of row r sits at absolute position num_computed[r] + i and sees keys j <= that.
-            q_pos = layout.num_computed[:, None, None] + i[:, :, None]   # [B, max_q, 1]
-            mask = (j[None, None, :] <= q_pos) & kv_valid[:, None, :]
-            if sliding_window is not None:
-                mask &= j[None, None, :] > q_pos - sliding_window
             mask |= ~q_valid[:, :, None] & (j[None, None, :] == 0)  # padding rows attend somewhere: no NaNs
             self.q_gather = torch.from_numpy(q_gather).to(device)
             self.q_valid = torch.from_numpy(q_valid).to(device)
 
         self.positions = torch.from_numpy(positions).to(device)
         self.slot_mapping = torch.from_numpy(slot_mapping).to(device)
-        self.kv_gather = torch.from_numpy(kv_gather).to(device)
-        self.mask = torch.from_numpy(mask).unsqueeze(1).to(device)  # [B, 1, max_q, max_kv]
+        self.kv_shape = kv_gather.shape
+        self.kv_gather = torch.from_numpy(kv_gather.reshape(-1)).to(device)
+        # Additive float mask, built once per step (a bool mask is converted by every layer's SDPA call).
+        dtype = kv_caches[0][0].dtype
+        self.mask = torch.from_numpy(np.where(mask, 0.0, -np.inf)).unsqueeze(1).to(device=device, dtype=dtype)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] for this step's tokens. Returns [T, H, D]."""
         k_cache, v_cache = self.kv_caches[layer_idx]
-        k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
-        keys = k_cache[self.kv_gather].transpose(1, 2)      # [B, Hkv, max_kv, D]
-        values = v_cache[self.kv_gather].transpose(1, 2)
-        queries = (q.unsqueeze(1) if self.q_gather is None else q[self.q_gather]).transpose(1, 2)  # [B, H, max_q, D]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask,
-                                             enable_gqa=queries.shape[1] != keys.shape[1])
-        out = out.transpose(1, 2)
-        return out[:, 0] if self.q_valid is None else out[self.q_valid]
+        k_cache.index_copy_(0, self.slot_mapping, k)
+        v_cache.index_copy_(0, self.slot_mapping, v)
+        b, max_kv = self.kv_shape
+        # index_select on the flat gather list is about twice as fast as advanced indexing.
+        keys = k_cache.index_select(0, self.kv_gather).view(b, max_kv, *k_cache.shape[1:]).transpose(1, 2)
+        values = v_cache.index_select(0, self.kv_gather).view(b, max_kv, *v_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, max_kv, D]
+        if self.q_gather is None:
+            queries = q.reshape(b, self.max_q, *q.shape[1:])
+        else:
+            queries = q[self.q_gather]
+        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=self.mask,
+                                             enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)  # [B, max_q, H, D]
+        return out.reshape(-1, *out.shape[2:]) if self.q_valid is None else out[self.q_valid]
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -39,33 +39,44 @@ class MTPDrafter:
         self.model, self.states, self.kv_views = model, states, kv_views
         self.block_size, self.k, self.device = block_size, num_tokens, device
 
-    def run_over_step(self, batch: StepBatch, hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def run_over_step(self, batch: StepBatch, hidden: torch.Tensor, ctx: AttentionContext,
+                      accepted: list[list[int]]) -> torch.Tensor:
         """Run the MTP layer over every position of the step so its KV matches the target's.
 
-        The token paired with h_i is x_{i+1}, read from all_token_ids after write-back: for a
-        prefill chunk that is the next prompt token (or the token just sampled), for a verify
-        row the accepted tokens (positions past a rejection get garbage that is recomputed later).
+        Position i pairs h_i with x_{i+1}. In a verify row that is the i-th kept token (accepted
+        drafts, then the bonus); positions past those get a placeholder, and their KV is
+        recomputed when the next step verifies them. A prefill chunk reads x_{i+1} from
+        all_token_ids after write-back (the next prompt token, or the token just sampled).
         """
-        qsl = torch.from_numpy(batch.layout.query_start_loc).to(self.device)
-        next_ids = torch.empty(hidden.shape[0], dtype=torch.int32, device=self.device)
-        everyone = torch.ones(len(batch.slots), dtype=torch.bool, device=self.device)
-        kernels.gather_prefill_tokens(next_ids, self.states.all_token_ids, torch.from_numpy(batch.slots).to(self.device),
-                                      qsl, torch.from_numpy(batch.layout.num_computed + 1).to(self.device), everyone)
-        return self.model.mtp_forward(0, hidden, next_ids, ctx.positions, ctx)
+        positions = batch.layout.positions()
+        qsl = batch.layout.query_start_loc
+        if batch.is_prefilling.any():
+            next_ids = torch.empty(hidden.shape[0], dtype=torch.int32, device=self.device)
+            everyone = torch.ones(len(batch.slots), dtype=torch.bool, device=self.device)
+            kernels.gather_prefill_tokens(next_ids, self.states.all_token_ids, torch.from_numpy(batch.slots).to(self.device),
+                                          torch.from_numpy(qsl).to(self.device),
+                                          torch.from_numpy(batch.layout.num_computed + 1).to(self.device), everyone)
+        else:  # decode-only: everything needed is already on the host
+            host = np.zeros(hidden.shape[0], dtype=np.int32)
+            for row, toks in enumerate(accepted):
+                host[qsl[row] : qsl[row] + len(toks)] = toks
+            next_ids = torch.from_numpy(host).to(self.device)
+        return self.model.mtp_forward(0, hidden, next_ids, ctx.positions, ctx, has_position0=bool((positions == 0).any()))
 
     def propose(self, batch: StepBatch, hidden: torch.Tensor, ctx: AttentionContext,
                 accepted: list[list[int]]) -> list[list[int]]:
-        mtp_hidden = self.run_over_step(batch, hidden, ctx)
+        mtp_hidden = self.run_over_step(batch, hidden, ctx, accepted)
         rows = np.nonzero(batch.samples)[0]
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         if not len(rows):
             return drafts
         num_accepted = np.array([len(a) for a in accepted], dtype=np.int64)
         last = batch.last_valid_index(num_accepted)[rows]
-        h = mtp_hidden[torch.from_numpy(last).to(self.device)]
+        last_t = torch.from_numpy(last).to(self.device)
+        h = mtp_hidden[last_t]
         token = self.model.compute_logits(h).argmax(-1).to(torch.int32)
         proposed = [token]
-        positions = ctx.positions[torch.from_numpy(last).to(self.device)]
+        positions = ctx.positions[last_t]
         # Drafts 2..k: apply the layer on its own hidden state, one position further each time.
         # These KV writes land in lookahead slots that the next verify step overwrites.
         block_tables = batch.layout.block_tables[rows]
@@ -73,7 +84,7 @@ class MTPDrafter:
         for i in range(1, self.k):
             layout = StepLayout(block_tables, (first_pos + i).astype(np.int32), np.ones(len(rows), dtype=np.int32))
             step_ctx = AttentionContext(self.kv_views, layout, self.block_size, self.device)
-            h = self.model.mtp_forward(0, h, token, positions + i, step_ctx)
+            h = self.model.mtp_forward(0, h, token, positions + i, step_ctx, has_position0=False)
             token = self.model.compute_logits(h).argmax(-1).to(torch.int32)
             proposed.append(token)
         table = torch.stack(proposed, dim=1).tolist()

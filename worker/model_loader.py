@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from worker.models.linear import can_pack, checkpoint_tensors, pack_linears
 from worker.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -32,12 +33,13 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def load_state_into(module: torch.nn.Module, model_dir: Path, prefix_map: dict[str, str] | None = None,
                     skip: frozenset[str] = frozenset()) -> set[str]:
-    """Copy checkpoint tensors into `module`'s parameters and buffers that are persistent.
+    """Copy checkpoint tensors into `module`'s parameters and persistent buffers (stacked
+    projections take their pieces by Hugging Face name: see `checkpoint_tensors`).
 
     Returns the checkpoint keys that were used. A parameter with no checkpoint key is an error
     naming it; unused checkpoint keys are left to the caller to report.
     """
-    wanted = {name: p for name, p in module.state_dict(keep_vars=True).items() if name not in skip}
+    wanted = {name: t for name, t in checkpoint_tensors(module).items() if name not in skip}
     used: set[str] = set()
     found: set[str] = set()
     for path in checkpoint_files(model_dir):
@@ -56,7 +58,7 @@ def load_state_into(module: torch.nn.Module, model_dir: Path, prefix_map: dict[s
                     raise ValueError(f"model: checkpoint key {key!r} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {tuple(param.shape)}")
                 with torch.no_grad():
-                    param.data.copy_(tensor.to(param.dtype))
+                    param.copy_(tensor.to(param.dtype))
                 used.add(key)
                 found.add(name)
     missing = sorted(set(wanted) - found)
@@ -92,4 +94,6 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
     unused = sorted(all_checkpoint_keys(model_dir) - used - {"lm_head.weight"})
     if unused:
         logger.info("ignoring %d checkpoint keys the model does not use (e.g. %s)", len(unused), unused[0])
+    if can_pack(DTYPES[dtype], device):
+        pack_linears(model, shared={id(model.model.embed_tokens.weight)})
     return model.eval()

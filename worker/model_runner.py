@@ -145,7 +145,9 @@ class ModelRunner:
         ends = batch.layout.query_start_loc[1:][rows]
         # Row r needs logits at its last 1 + k[r] positions (the verified drafts and the bonus).
         positions = np.concatenate([np.arange(e - 1 - n, e) for e, n in zip(ends, k)])
-        logits = self.model.compute_logits(hidden[torch.from_numpy(positions).to(self.device)])
+        if len(positions) < hidden.shape[0]:  # (decode and verify steps need every position)
+            hidden = hidden[torch.from_numpy(positions).to(self.device)]
+        logits = self.model.compute_logits(hidden)
         slots = batch.slots[rows]
         meta = self._sampling_metadata(slots)
         if not k.any():

@@ -107,6 +107,8 @@ class RejectionSampler:
         self._validate(logits, num_draft_tokens, draft_token_ids, draft_probs, meta)
         if num_reqs == 0:
             return RejectionOutput(accepted_token_ids=[], num_accepted_drafts=[])
+        if meta.all_greedy and meta.no_penalties and meta.banned_token_ids is None:
+            return self._greedy(logits, num_draft_tokens, draft_token_ids)
         device = logits.device
         ks = list(num_draft_tokens)
         max_k = max(ks)
@@ -203,6 +205,22 @@ class RejectionSampler:
         return RejectionOutput(accepted_token_ids=accepted_token_ids, num_accepted_drafts=num_accepted_list)
 
     # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _greedy(logits: torch.Tensor, ks: Sequence[int], draft_token_ids: Sequence[Sequence[int]]) -> RejectionOutput:
+        """All-greedy batch without penalties or bans (the common case): one argmax, one sync, and
+        the prefix walk on the host. Same result as the general path, a fraction of its ops."""
+        target = logits.argmax(dim=-1).tolist()
+        accepted_token_ids, num_accepted = [], []
+        start = 0
+        for k, drafts in zip(ks, draft_token_ids):
+            m = 0
+            while m < k and drafts[m] == target[start + m]:
+                m += 1
+            accepted_token_ids.append(list(drafts[:m]) + [target[start + m]])
+            num_accepted.append(m)
+            start += 1 + k
+        return RejectionOutput(accepted_token_ids=accepted_token_ids, num_accepted_drafts=num_accepted)
 
     @staticmethod
     def _validate(

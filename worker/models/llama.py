@@ -7,13 +7,14 @@ is delegated to the per-step `AttentionContext`, so this file never sees paging.
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from worker.models.linear import Linear
 
 
 class AttentionBackend(Protocol):
@@ -27,6 +28,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused op; in fp32 it is bit-identical to the expanded form below.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 and cast back before the weight, exactly as transformers does.
         dtype = x.dtype
         x = x.float()
@@ -66,15 +70,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """cos/sin rows for this forward's positions, looked up once and shared by every layer."""
+        return Rope(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+class Rope(NamedTuple):
+    cos: torch.Tensor  # [T, 1, head_dim]
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]; the same arithmetic as transformers' apply_rotary_pos_emb."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * self.cos + rotated * self.sin
 
 
 class Attention(nn.Module):
@@ -83,39 +92,40 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         h = cfg.hidden_size
-        qkv_bias = cfg.attention_bias
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         o_bias = cfg.attention_bias and cfg.model_type != "qwen2"  # Qwen2: biases on q/k/v only
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=o_bias)
+        self.qkv_proj = Linear(h, q_rows + 2 * kv_rows, bias=cfg.attention_bias,
+                               shards={"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows})
+        self.o_proj = Linear(q_rows, h, bias=o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
+        t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
+        heads = self.qkv_proj(x).view(t, nh + 2 * nkv, self.head_dim)
+        v = heads[:, nh + nkv :]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+            q, k = rope.apply(self.q_norm(heads[:, :nh])), rope.apply(self.k_norm(heads[:, nh : nh + nkv]))
+        else:  # q and k rotated together: one set of ops instead of two
+            qk = rope.apply(heads[:, : nh + nkv])
+            q, k = qk[:, :nh], qk[:, nh:]
         out = attn.attend(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(t, nh * self.head_dim))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         bias = bool(cfg.raw.get("mlp_bias", False))
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        n = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * n, bias=bias, shards={"gate_proj": n, "up_proj": n})
+        self.down_proj = Linear(n, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -126,8 +136,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
+    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -147,8 +157,9 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary_emb, attn)
+            x = layer(x, rope, attn)
         return self.norm(x)
 
 
@@ -159,7 +170,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, max_positions, num_mtp_layers)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -170,7 +181,7 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def mtp_forward(self, layer: int, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                    attn: AttentionBackend) -> torch.Tensor:
+                    attn: AttentionBackend, has_position0: bool = True) -> torch.Tensor:
         """MTP layer `layer` over (h_i, x_{i+1}) pairs; returns its normed hidden states."""
         m = self.model
-        return m.mtp_layers[layer](hidden, input_ids, positions, m.embed_tokens, m.rotary_emb, attn)
+        return m.mtp_layers[layer](hidden, input_ids, positions, m.embed_tokens, m.rotary_emb, attn, has_position0)

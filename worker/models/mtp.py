@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from worker.models.linear import Linear
 from worker.models.llama import AttentionBackend, DecoderLayer, RMSNorm, RotaryEmbedding
 
 
@@ -20,14 +21,15 @@ class MTPLayer(DecoderLayer):
         h = cfg.hidden_size
         self.hidden_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.token_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.input_proj = nn.Linear(2 * h, h, bias=False)
+        self.input_proj = Linear(2 * h, h, bias=False)
         self.final_layernorm = RMSNorm(h, cfg.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
-                embed: nn.Embedding, rope: RotaryEmbedding, attn: AttentionBackend) -> torch.Tensor:
+                embed: nn.Embedding, rope: RotaryEmbedding, attn: AttentionBackend, has_position0: bool) -> torch.Tensor:
         tok = embed(input_ids)
-        # Position 0 has no previous hidden state worth pairing: its token embedding is zeroed.
-        tok = torch.where((positions == 0).unsqueeze(-1), torch.zeros_like(tok), tok)
+        if has_position0:  # (the caller knows from its host-side layout; decode steps never do)
+            # Position 0 has no previous hidden state worth pairing: its token embedding is zeroed.
+            tok = torch.where((positions == 0).unsqueeze(-1), torch.zeros_like(tok), tok)
         x = self.input_proj(torch.cat([self.hidden_layernorm(hidden), self.token_layernorm(tok)], dim=-1))
-        x = super().forward(x, positions, rope, attn)
+        x = super().forward(x, rope(positions, x.dtype), attn)
         return self.final_layernorm(x)
