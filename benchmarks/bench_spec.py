@@ -2,7 +2,8 @@
 
 For K = 1..3: mean acceptance length (tokens per verify step: 1 + accepted drafts) and the
 acceptance rate of each draft position (accepted at position i / verify steps). Then decode
-output tokens/s with MTP (K=2 by default) vs without, at batch 1 and batch 16, greedy.
+tokens/s (after every request's first token: prefill is TTFT, not decode) with MTP (K=2 by
+default) vs without, at batch 1 and batch 16, greedy.
 
     python benchmarks/bench_spec.py [--model DIR] [--new-tokens 128]
 """
@@ -48,10 +49,21 @@ def make_llm(model: str, method: str | None, k: int, batch: int, device: str) ->
 
 
 def timed_round(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[int, float]:
+    """Decode tokens and seconds for one batch: from the step that has given every request its
+    first token (the prefill, i.e. TTFT, is not decode) to the last token."""
+    engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    return sum(len(o.token_ids) for o in outs), time.perf_counter() - start
+    pending = {engine.add_request(p, params) for p in prompts}
+    start, decoded = None, 0
+    while engine.has_unfinished():
+        updates = engine.step()
+        if start is None:
+            pending -= {u.req_id for u in updates if u.new_token_ids}
+            if not pending:
+                start = time.perf_counter()
+            continue
+        decoded += sum(len(u.new_token_ids) for u in updates)
+    return decoded, time.perf_counter() - start
 
 
 def acceptance(model: str, k: int, new_tokens: int, device: str):
@@ -63,7 +75,7 @@ def acceptance(model: str, k: int, new_tokens: int, device: str):
 
 
 def speed(model: str, k: int, batch: int, rounds: int, new_tokens: int, device: str) -> tuple[float, float, object]:
-    """Output tok/s without and with MTP. The two engines live side by side and take turns, round
+    """Decode tok/s without and with MTP. The two engines live side by side and take turns, round
     by round, so drift in the machine's speed (a shared VM) hits both alike."""
     base, spec = make_llm(model, None, 1, batch, device), make_llm(model, "mtp", k, batch, device)
     prompts = prompts_for(base, batch * rounds)
@@ -98,10 +110,10 @@ def main() -> None:
         stats = acceptance(model, k, args.new_tokens, args.device)
         per_pos = " ".join(f"{n / stats.num_drafts:.2f}" for n in stats.accepted_per_pos)
         print(f"{k:>2} {stats.mean_acceptance_length:>11.2f} {per_pos:>28}")
-    print(f"\n{'batch':>5} {'no-spec tok/s':>14} {f'MTP K={args.k_speed} tok/s':>16} {'speed-up':>9} {'accept len':>11}")
+    print(f"\n{'batch':>5} {'no-spec decode tok/s':>21} {f'MTP K={args.k_speed} decode tok/s':>23} {'speed-up':>9} {'accept len':>11}")
     for batch, rounds in ((1, 16), (16, 2)):
         base, spec, stats = speed(model, args.k_speed, batch, rounds, args.new_tokens, args.device)
-        print(f"{batch:>5} {base:>14.1f} {spec:>16.1f} {spec / base:>8.2f}x {stats.mean_acceptance_length:>11.2f}")
+        print(f"{batch:>5} {base:>21.1f} {spec:>23.1f} {spec / base:>8.2f}x {stats.mean_acceptance_length:>11.2f}")
 
 if __name__ == "__main__":
     main()

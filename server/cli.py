@@ -137,6 +137,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     roles = [("colocated", 1)] if args.mode == "colocated" else [("prefill", args.num_prefill), ("decode", args.num_decode)]
     threads = args.num_threads or max(1, (os.cpu_count() or 2) // sum(n for _, n in roles))
     children: list[subprocess.Popen] = []
+    # Engine health ports are for engines deployed one per container; here every child would
+    # inherit the same port and all but one would fail to bind it. The front end's /health covers them.
+    env = {k: v for k, v in os.environ.items() if k != _env("--health-port")}
     for role, count in roles:
         for i in range(count):
             name = f"{role}-{i}"
@@ -146,7 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 argv += ["--kv-addr", f"ipc://{run_dir}/{name}-kv"]
             if args.kv_key:
                 argv += ["--kv-key", args.kv_key]
-            children.append(subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1]))
+            children.append(subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], env=env))
 
     def shutdown(*_):
         for child in children:

@@ -82,16 +82,6 @@ class RejectionSampler:
         draft_probs: torch.Tensor | None,
         meta: SamplingMetadata,
     ) -> RejectionOutput:
-        return self.forward(logits, num_draft_tokens, draft_token_ids, draft_probs, meta)
-
-    def forward(
-        self,
-        logits: torch.Tensor,
-        num_draft_tokens: list[int],
-        draft_token_ids: list[list[int]],
-        draft_probs: torch.Tensor | None,
-        meta: SamplingMetadata,
-    ) -> RejectionOutput:
         """Verify the drafts of every request.
 
         Args:

@@ -67,12 +67,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(cfg)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # [max_positions, 2, 1, head_dim]: cos and sin side by side, so one lookup fetches both.
+        self.register_buffer("cos_sin", torch.stack([emb.cos(), emb.sin()], dim=1).unsqueeze(2), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """cos/sin rows for this forward's positions, looked up once and shared by every layer."""
-        return Rope(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+        cos, sin = self.cos_sin[positions].to(dtype).unbind(1)
+        return Rope(cos, sin)
 
 
 class Rope(NamedTuple):
@@ -178,7 +179,8 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     def mtp_forward(self, layer: int, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                     attn: AttentionBackend, has_position0: bool = True) -> torch.Tensor:
