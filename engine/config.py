@@ -111,6 +111,10 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads for this process
     speculative_method: str | None = None  # "mtp", "ngram" or None
     num_speculative_tokens: int = 2
+    # Precision of the MTP drafter (its layer and the draft lm_head). Drafts are only proposals that
+    # the target verifies, so this trades nothing but draft quality for speed. "auto": bfloat16
+    # when the target runs in float32 on hardware with native bf16 math, else the target's dtype.
+    draft_dtype: str = "auto"
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -131,6 +135,8 @@ class EngineConfig:
             self.speculative_method = None
         if self.speculative_method not in (None, "mtp", "ngram"):
             raise ValueError(f"speculative_method must be 'mtp', 'ngram' or 'none', got {self.speculative_method!r}")
+        if self.draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
         if self.speculative_method and not 1 <= self.num_speculative_tokens <= 8:
             raise ValueError(f"num_speculative_tokens must be in [1, 8], got {self.num_speculative_tokens}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

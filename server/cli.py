@@ -40,6 +40,7 @@ ENGINE_FLAGS = [
     ("--seed", int, 0, "default sampling seed"),
     ("--speculative-method", str, "auto", "mtp | ngram | none | auto (mtp when the model has MTP layers)"),
     ("--num-speculative-tokens", int, 2, "draft tokens per step"),
+    ("--draft-dtype", str, "auto", "MTP drafter precision: auto | float32 | bfloat16 | float16"),
     ("--num-threads", int, None, "torch threads per engine process"),
 ]
 
@@ -74,7 +75,8 @@ def engine_config(args: argparse.Namespace, role: str = "colocated") -> EngineCo
                         max_model_len=args.max_model_len, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                         kv_memory_fraction=args.kv_memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
                         dtype=args.dtype, device=args.device, seed=args.seed, num_threads=args.num_threads,
-                        speculative_method=method if method != "none" else None, num_speculative_tokens=num_spec)
+                        speculative_method=method if method != "none" else None, num_speculative_tokens=num_spec,
+                        draft_dtype=args.draft_dtype)
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:

@@ -48,7 +48,8 @@ def test_pdserve_greedy_equals_transformers_on_bundled_model(bundled):
 
 
 def test_pdserve_loads_the_mtp_layer(bundled):
-    llm = LLM(str(BUNDLED_MODEL), max_model_len=256, speculative_method="mtp", num_speculative_tokens=1)
+    llm = LLM(str(BUNDLED_MODEL), max_model_len=256, speculative_method="mtp", num_speculative_tokens=1,
+              draft_dtype="float32")
     mtp = llm.engine.runner.model.model.mtp_layers[0]
     with safe_open(str(BUNDLED_MODEL / "model.safetensors"), framework="pt") as f:
         want = f.get_tensor("model.mtp_layers.0.input_proj.weight").float()
@@ -58,11 +59,13 @@ def test_pdserve_loads_the_mtp_layer(bundled):
         assert torch.allclose(mtp.input_proj(x), x @ want.T, atol=1e-5)
 
 
-@pytest.mark.parametrize("method,k", [("mtp", 1), ("mtp", 2), ("mtp", 3), ("mtp", 4), ("ngram", 3)])
-def test_spec_decoding_exact_and_mostly_accepted_on_bundled_model(method, k, bundled):
+@pytest.mark.parametrize("method,k,draft_dtype", [("mtp", 1, "auto"), ("mtp", 2, "float32"), ("mtp", 2, "bfloat16"),
+                                                   ("mtp", 3, "auto"), ("mtp", 4, "auto"), ("ngram", 3, "auto")])
+def test_spec_decoding_exact_and_mostly_accepted_on_bundled_model(method, k, draft_dtype, bundled):
+    """Drafter precision (bf16 by default on CPUs with native bf16) changes proposals, never output."""
     prompts, ref = bundled
     llm = LLM(str(BUNDLED_MODEL), max_model_len=512, max_num_seqs=2, speculative_method=method,
-              num_speculative_tokens=k)
+              num_speculative_tokens=k, draft_dtype=draft_dtype)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
     exact = sum(ref.assert_matches(p, o.token_ids, NEW, f"{method}{k}/{i}") for i, (p, o) in enumerate(zip(prompts, outs)))
     assert exact >= len(prompts) - 1

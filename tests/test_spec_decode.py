@@ -26,11 +26,12 @@ def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("method,k", [("mtp", 1), ("mtp", 2), ("mtp", 4), ("ngram", 3)])
-def test_spec_greedy_matches_transformers(arch, method, k, mtp_checkpoints, references):
+@pytest.mark.parametrize("method,k,draft_dtype", [("mtp", 1, "auto"), ("mtp", 2, "auto"), ("mtp", 2, "float32"),
+                                                   ("mtp", 4, "auto"), ("ngram", 3, "auto")])
+def test_spec_greedy_matches_transformers(arch, method, k, draft_dtype, mtp_checkpoints, references):
     prompts = random_prompts(10, 1, 200, VOCAB, 61) + repetitive_prompts(6, 62)
     llm = LLM(str(mtp_checkpoints[arch]), max_model_len=320, max_num_seqs=2, block_size=4,
-              max_num_batched_tokens=64, speculative_method=method, num_speculative_tokens=k)
+              max_num_batched_tokens=64, speculative_method=method, num_speculative_tokens=k, draft_dtype=draft_dtype)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
     exact = sum(references[arch].assert_matches(p, o.token_ids, NEW, f"{arch}/{method}{k}/prompt {i}")
                 for i, (p, o) in enumerate(zip(prompts, outs)))

@@ -83,6 +83,8 @@ class AttentionContext:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] for this step's tokens. Returns [T, H, D]."""
         k_cache, v_cache = self.kv_caches[layer_idx]
+        if q.dtype != k_cache.dtype:  # a lower-precision MTP drafter: attend in the cache's dtype
+            return self.attend(layer_idx, q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)).to(q.dtype)
         k_cache.index_copy_(0, self.slot_mapping, k)
         v_cache.index_copy_(0, self.slot_mapping, v)
         b, max_kv = self.kv_shape

@@ -74,7 +74,7 @@ class MTPDrafter:
         last = batch.last_valid_index(num_accepted)[rows]
         last_t = torch.from_numpy(last).to(self.device)
         h = mtp_hidden[last_t]
-        token = self.model.compute_logits(h).argmax(-1)
+        token = self.model.compute_draft_logits(h).argmax(-1)
         proposed = [token]
         positions = ctx.positions[last_t]
         # Drafts 2..k: apply the layer on its own hidden state, one position further each time.
@@ -85,7 +85,7 @@ class MTPDrafter:
             layout = StepLayout(block_tables, (first_pos + i).astype(np.int32), np.ones(len(rows), dtype=np.int32))
             step_ctx = AttentionContext(self.kv_views, layout, self.block_size, self.device)
             h = self.model.mtp_forward(0, h, token, positions + i, step_ctx, has_position0=False)
-            token = self.model.compute_logits(h).argmax(-1)
+            token = self.model.compute_draft_logits(h).argmax(-1)
             proposed.append(token)
         table = torch.stack(proposed, dim=1).tolist()
         for row, d in zip(rows.tolist(), table):

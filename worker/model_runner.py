@@ -16,7 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from worker import invariants, kernels
 from worker.attention import AttentionContext, StepLayout, allocate_kv_caches
-from worker.model_loader import DTYPES, load_model
+from worker.model_loader import DTYPES, load_model, resolve_draft_dtype
 from worker.drafter import MTPDrafter, NgramDrafter, StepBatch
 from worker.rejection_sampler import RejectionSampler
 from worker.sampler import Sampler, SamplingMetadata
@@ -50,8 +50,10 @@ class ModelRunner:
         self.num_spec = config.num_speculative_tokens if config.speculative_method else 0
         num_mtp = 1 if config.speculative_method == "mtp" else 0
         lookahead = config.num_lookahead_tokens
+        self.draft_dtype = resolve_draft_dtype(config.draft_dtype, config.dtype, config.device)
         self.model = load_model(Path(config.model), model_cfg, config.dtype, config.device,
-                                max_positions=max_len + lookahead + 8, num_mtp_layers=num_mtp)
+                                max_positions=max_len + lookahead + 8, num_mtp_layers=num_mtp,
+                                draft_dtype=self.draft_dtype)
         self.num_kv_layers = model_cfg.num_hidden_layers + num_mtp  # MTP layers get their own paged cache
         self.num_kv_blocks = num_kv_blocks_for(config, model_cfg, self.num_kv_layers)
         self.kv_cache, self.kv_views = allocate_kv_caches(

@@ -44,14 +44,27 @@ class Linear(nn.Linear):
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
 
+def native_bf16_cpu() -> bool:
+    """The CPU does bf16 math in hardware (AVX512-BF16 or AMX), so oneDNN bf16 GEMMs are fast."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return ("avx512_bf16" in flags or "amx_bf16" in flags) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def can_pack(dtype: torch.dtype, device: str) -> bool:
-    return device == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    if device != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16_cpu())
 
 
-def pack_linears(model: nn.Module, shared: set[int]) -> None:
-    """Pack every `Linear` of `model`; weights whose id is in `shared` (tied embeddings) are kept."""
+def pack_linears(model: nn.Module, device: str, shared: set[int]) -> None:
+    """Pack every `Linear` of `model` whose dtype oneDNN handles well here; weights whose id is in
+    `shared` (tied embeddings) are kept."""
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and can_pack(module.weight.dtype, device):
             module.pack(keep_weight=id(module.weight) in shared)
 
 

@@ -172,6 +172,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderModel(cfg, max_positions, num_mtp_layers)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.draft_head: Linear | None = None  # set by set_draft_dtype
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -180,6 +181,17 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
+        return logits if logits.dtype == torch.float32 else logits.float()
+
+    def set_draft_dtype(self, dtype: torch.dtype) -> None:
+        """Run the MTP layers and a copy of lm_head for drafting in `dtype` (after loading)."""
+        self.model.mtp_layers.to(dtype)
+        self.draft_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.draft_head.weight = nn.Parameter(self.lm_head.weight.detach().to(dtype), requires_grad=False)
+
+    def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits for proposing drafts from an MTP hidden state (in the drafter's precision)."""
+        logits = (self.draft_head or self.lm_head)(hidden)
         return logits if logits.dtype == torch.float32 else logits.float()
 
     def mtp_forward(self, layer: int, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,

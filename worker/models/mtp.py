@@ -26,7 +26,8 @@ class MTPLayer(DecoderLayer):
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
                 embed: nn.Embedding, rope: RotaryEmbedding, attn: AttentionBackend, has_position0: bool) -> torch.Tensor:
-        tok = embed(input_ids)
+        dtype = self.input_proj.weight.dtype  # the drafter may run in lower precision than the target
+        tok, hidden = embed(input_ids).to(dtype), hidden.to(dtype)
         if has_position0:  # (the caller knows from its host-side layout; decode steps never do)
             # Position 0 has no previous hidden state worth pairing: its token embedding is zeroed.
             tok = torch.where((positions == 0).unsqueeze(-1), torch.zeros_like(tok), tok)
