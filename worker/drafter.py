@@ -72,19 +72,18 @@ class MTPDrafter:
             return drafts
         num_accepted = np.array([len(a) for a in accepted], dtype=np.int64)
         last = batch.last_valid_index(num_accepted)[rows]
-        last_t = torch.from_numpy(last).to(self.device)
-        h = mtp_hidden[last_t]
+        h = mtp_hidden[torch.from_numpy(last).to(self.device)]
         token = self.model.compute_draft_logits(h).argmax(-1)
         proposed = [token]
-        positions = ctx.positions[last_t]
         # Drafts 2..k: apply the layer on its own hidden state, one position further each time.
         # These KV writes land in lookahead slots that the next verify step overwrites.
         block_tables = batch.layout.block_tables[rows]
         first_pos = batch.layout.positions()[last]
+        ones = np.ones(len(rows), dtype=np.int32)
         for i in range(1, self.k):
-            layout = StepLayout(block_tables, (first_pos + i).astype(np.int32), np.ones(len(rows), dtype=np.int32))
+            layout = StepLayout(block_tables, (first_pos + i).astype(np.int32), ones)
             step_ctx = AttentionContext(self.kv_views, layout, self.block_size, self.device)
-            h = self.model.mtp_forward(0, h, token, positions + i, step_ctx, has_position0=False)
+            h = self.model.mtp_forward(0, h, token, step_ctx.positions, step_ctx, has_position0=False)
             token = self.model.compute_draft_logits(h).argmax(-1)
             proposed.append(token)
         table = torch.stack(proposed, dim=1).tolist()
