@@ -26,9 +26,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.hf_exact = True  # False for the drafter: proposals need no bit-exactness, only speed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+        if not self.hf_exact or (x.dtype == torch.float32 and self.weight.dtype == torch.float32):
             # One fused op; in fp32 it is bit-identical to the expanded form below.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 and cast back before the weight, exactly as transformers does.
@@ -186,6 +187,9 @@ class CausalLM(nn.Module):
     def set_draft_dtype(self, dtype: torch.dtype) -> None:
         """Run the MTP layers and a copy of lm_head for drafting in `dtype` (after loading)."""
         self.model.mtp_layers.to(dtype)
+        for module in self.model.mtp_layers.modules():
+            if isinstance(module, RMSNorm):
+                module.hf_exact = False
         self.draft_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         self.draft_head.weight = nn.Parameter(self.lm_head.weight.detach().to(dtype), requires_grad=False)
 
