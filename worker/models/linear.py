@@ -8,17 +8,16 @@ Two things make small-batch decode cheap on a CPU, where every step is a handful
 - Packing: `F.linear` goes through MKL, which on this class of CPU runs a 3-row input as three
   GEMVs (3x the cost of one row). oneDNN with a weight reordered once at load time handles
   1..16 rows for little more than one, which is what a speculative verify step (1 + K rows per
-  request) needs. Packed weights are used for fp32 on CPU only; elsewhere `F.linear` runs.
+  request) needs. Weights are packed on CPU for fp32, and for bf16 where the CPU has native bf16
+  math (a bf16 MTP drafter); elsewhere `F.linear` runs.
 """
 from __future__ import annotations
 
-import logging
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 
 class Linear(nn.Linear):
@@ -44,6 +43,7 @@ class Linear(nn.Linear):
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
 
+@functools.cache
 def native_bf16_cpu() -> bool:
     """The CPU does bf16 math in hardware (AVX512-BF16 or AMX), so oneDNN bf16 GEMMs are fast."""
     try:

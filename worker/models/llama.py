@@ -190,7 +190,8 @@ class CausalLM(nn.Module):
         for module in self.model.mtp_layers.modules():
             if isinstance(module, RMSNorm):
                 module.hf_exact = False
-        self.draft_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        with torch.device("meta"):  # no throwaway initialisation of a vocab-sized weight
+            self.draft_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         self.draft_head.weight = nn.Parameter(self.lm_head.weight.detach().to(dtype), requires_grad=False)
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
