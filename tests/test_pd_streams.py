@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from pd_harness import ThreadedEngines, client_for
 from server.app import build_app
 from test_detokenizer import make_tokenizer
-from test_server_api import ServerThread
+from test_server_api import ServerThread, read_until_streaming
 
 MODEL = "tiny-pd"
 
@@ -85,15 +85,7 @@ def test_32_cut_streams_free_every_block_on_every_instance(pd_server):
     clients = [httpx.Client(base_url=server.url, timeout=30) for _ in range(32)]
     try:
         responses = [c.send(c.build_request("POST", "/v1/completions", json=body), stream=True) for c in clients]
-        readers = []
-        for r in responses:
-            assert r.status_code == 200
-            readers.append(r.iter_lines())
-            got = 0
-            for line in readers[-1]:
-                got += line.startswith("data: {")
-                if got >= 2:
-                    break
+        readers = read_until_streaming(responses, chunks=2)  # noqa: F841 - alive until the cut
         assert sum(i.num_running + i.num_waiting for i in client.instances()) > 0
         for r in responses:
             r.close()

@@ -1,6 +1,6 @@
 """Tests for worker.sampler: penalties, bans, greedy, distribution filters, seeding, logprobs.
 
-Distribution tests compare against a reference written here in numpy (float64),
+Distribution tests compare against a numpy (float64) reference in tests/distributions.py,
 independently of the sampler's torch code, and use a fixed sampler seed so the
 chi-square outcome is deterministic.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
+from distributions import assert_matches_distribution, reference_probs
 from worker.sampler import (
     LogprobsTensors,
     Sampler,
@@ -20,61 +20,9 @@ from worker.sampler import (
 )
 
 VOCAB = 24
-CHI2_MIN_P_VALUE = 1e-3
 
 
 # ----------------------------------------------------------------- helpers
-
-
-def reference_probs(
-    logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
-) -> np.ndarray:
-    """softmax(logits / T), then top-k, top-p, min-p, each followed by renormalisation."""
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    order = np.argsort(-p, kind="stable")
-    if top_k > 0:
-        keep = np.zeros_like(p, dtype=bool)
-        keep[order[:top_k]] = True
-        p = np.where(keep, p, 0.0)
-        p /= p.sum()
-    if top_p < 1.0:
-        cum = np.cumsum(p[order])
-        # The test must not sit on a float-rounding boundary of the nucleus.
-        assert np.abs(cum - top_p).min() > 1e-4, "pick another top_p: boundary too close"
-        n_keep = int(np.argmax(cum >= top_p)) + 1  # smallest prefix reaching top_p
-        keep = np.zeros_like(p, dtype=bool)
-        keep[order[:n_keep]] = True
-        p = np.where(keep, p, 0.0)
-        p /= p.sum()
-    if min_p > 0.0:
-        threshold = min_p * p.max()
-        assert np.abs(p[p > 0] - threshold).min() > 1e-6, "pick another min_p: boundary too close"
-        p = np.where(p >= threshold, p, 0.0)
-        p /= p.sum()
-    return p
-
-
-def assert_matches_distribution(samples: np.ndarray, probs: np.ndarray) -> None:
-    """Never outside the support, and chi-square goodness of fit over the support
-    (bins expecting fewer than 5 draws are pooled so the test statistic is valid)."""
-    n = len(samples)
-    counts = np.bincount(samples, minlength=len(probs)).astype(np.float64)
-    outside = probs == 0
-    assert counts[outside].sum() == 0, f"drew tokens outside the support: {np.nonzero(counts * outside)[0]}"
-    expected = probs * n
-    big = expected >= 5
-    obs = list(counts[big])
-    exp = list(expected[big])
-    small = (~big) & (~outside)
-    if small.any():
-        obs.append(counts[small].sum())
-        exp.append(expected[small].sum())
-    if len(obs) < 2:  # a point mass: nothing to test beyond the support
-        return
-    _, p_value = stats.chisquare(obs, exp)
-    assert p_value > CHI2_MIN_P_VALUE, f"chi-square p={p_value:.2e}; obs={obs}; exp={np.round(exp, 1)}"
 
 
 def fixed_logits(seed: int = 0, vocab: int = VOCAB, scale: float = 1.5) -> np.ndarray:

@@ -548,6 +548,21 @@ def test_concurrent_streams(oai, server, engine):
     wait_idle(engine)
 
 
+def read_until_streaming(responses: list[httpx.Response], chunks: int) -> list:
+    """Read `chunks` data chunks from every SSE response, so that all are mid-stream. Returns their
+    line iterators: the caller keeps them alive until it cuts the streams."""
+    readers = []
+    for r in responses:
+        assert r.status_code == 200
+        readers.append(r.iter_lines())
+        got = 0
+        for line in readers[-1]:
+            got += line.startswith("data: {")
+            if got >= chunks:
+                break
+    return readers
+
+
 def test_cut_streams_free_every_block(server, engine):
     body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 150, "ignore_eos": True, "stream": True}
     clients = [httpx.Client(base_url=server.url, timeout=30) for _ in range(8)]
@@ -557,15 +572,7 @@ def test_cut_streams_free_every_block(server, engine):
             req = c.build_request("POST", "/v1/completions" if i % 2 else "/v1/chat/completions",
                                   json=body if i % 2 else {**body, "messages": [{"role": "user", "content": "x"}]})
             responses.append(c.send(req, stream=True))
-        readers = []  # keep the iterators alive until the streams are deliberately cut
-        for r in responses:
-            assert r.status_code == 200
-            readers.append(r.iter_lines())
-            got = 0
-            for line in readers[-1]:
-                got += line.startswith("data: {")
-                if got >= 3:
-                    break
+        readers = read_until_streaming(responses, chunks=3)  # noqa: F841 - alive until the cut
         assert engine.instances()[0].num_running > 0
         for r in responses:
             r.close()
