@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
-from benchmarks.common import mixed_prompts, pct, resolve_model  # noqa: E402
+from benchmarks.common import mixed_prompts, pct, resolve_model, stop_process_group  # noqa: E402
 from kv_transfer.receiver import KVReceiver  # noqa: E402
 from kv_transfer.sender import KVSender  # noqa: E402
 
@@ -154,11 +153,7 @@ def bench_latency(model: str, seconds: float, spec: str) -> dict[str, dict]:
         try:
             results[mode] = asyncio.run(interference_workload(f"http://127.0.0.1:{port}", vocab, seconds))
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            stop_process_group(proc)
     return results
 
 

@@ -23,7 +23,6 @@ import logging
 import os
 import platform
 import random
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -35,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import bench_serving  # noqa: E402
-from benchmarks.common import ensure_tokenizer, resolve_model  # noqa: E402
+from benchmarks.common import ensure_tokenizer, resolve_model, stop_process_group  # noqa: E402
 
 logger = logging.getLogger("compare")
 RESULTS = REPO / "benchmarks" / "results"
@@ -157,21 +156,6 @@ def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 180.0) -> N
     raise TimeoutError(f"server on port {port} not healthy after {timeout:.0f} s")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (front end + engines), SIGKILL what is left after 15 s."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-    try:  # engines are in the same group; make sure none outlives its front end
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def run_one(server: Server, model: str, flag_sets: list[list[str]], out_dir: Path) -> list[dict]:
     """One server, started once, measured once per request set (repeat), then stopped."""
     port = free_port()
@@ -186,7 +170,7 @@ def run_one(server: Server, model: str, flag_sets: list[list[str]], out_dir: Pat
             results.append(bench_serving.benchmark(bench_serving.parse_args(argv)))
         return results
     finally:
-        stop(proc)
+        stop_process_group(proc)
 
 
 # Scalar metrics that are medians over repeats; the per-request lists are pooled over repeats.

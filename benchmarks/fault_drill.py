@@ -47,7 +47,7 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.bench_serving import RequestResult, client_limits, send_request  # noqa: E402
-from benchmarks.common import ensure_tokenizer, resolve_model  # noqa: E402
+from benchmarks.common import ensure_tokenizer, resolve_model, stop_process_group  # noqa: E402
 
 logger = logging.getLogger("fault_drill")
 RESULTS = REPO / "benchmarks" / "results"
@@ -95,15 +95,7 @@ class Cluster:
 
     def stop(self) -> None:
         for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+            stop_process_group(proc, grace_s=10)
 
     def rss_mb(self) -> dict[str, float]:
         out = {}

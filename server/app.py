@@ -120,29 +120,26 @@ def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | N
 
     # -- generation routes -----------------------------------------------------------------
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def admit(request: Request, model, handler):
+        """Auth, a serving slot, the parsed body, then `handler`: it owns the slot's `release` from
+        there (a stream releases it when it ends); anything failing before that releases it here."""
         arrival = time.monotonic()
         check_auth(request)
         release = serving.acquire()
         try:
-            req: CompletionRequest = await read(request, CompletionRequest)
-            return await _completions(request, req, release, arrival)
+            req = await read(request, model)
+            return await handler(request, req, release, arrival)
         except BaseException:
             release()
             raise
 
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await admit(request, CompletionRequest, _completions)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        arrival = time.monotonic()
-        check_auth(request)
-        release = serving.acquire()
-        try:
-            req: ChatCompletionRequest = await read(request, ChatCompletionRequest)
-            return await _chat(request, req, release, arrival)
-        except BaseException:
-            release()
-            raise
+        return await admit(request, ChatCompletionRequest, _chat)
 
     async def _completions(request: Request, req: CompletionRequest, release: Callable[[], None], arrival: float):
         stops = serving.check_common(req)

@@ -3,7 +3,6 @@ PD carries the MTP layer's KV, and `make serve` answers (issues: bundled model, 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from benchmarks.common import stop_process_group
 from conftest import BUNDLED_MODEL, REPO, Reference
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
@@ -126,11 +126,6 @@ def test_make_serve_answers_a_completion_within_90_seconds():
         assert r.json()["choices"][0]["text"]
         assert "pdserve-tiny" in r.json()["model"]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+        stop_process_group(proc)
     banner = proc.stdout.read().decode()
     assert f"http://127.0.0.1:{port}" in banner and "curl" in banner

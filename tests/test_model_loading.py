@@ -15,8 +15,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def test_sharded_checkpoint_loads(tmp_path, references):
-    import transformers
-
     src = references["llama"].model
     src.save_pretrained(tmp_path, max_shard_size="60KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 
 import pytest
 import zmq
@@ -217,7 +216,7 @@ def test_peer_with_different_model_refused_at_handshake(checkpoints, tmp_path):
     model_b = str(make_checkpoint("qwen2", tmp_path / "other", seed=5))  # same shapes, other weights
     engines = ThreadedEngines(tmp_path)
     prefill = engines.add("prefill", "prefill-0", EngineConfig(model=model_a, max_model_len=256))
-    decode = engines.add("decode", "decode-0", EngineConfig(model=model_b, max_model_len=256))
+    engines.add("decode", "decode-0", EngineConfig(model=model_b, max_model_len=256))
     engines.start()
     client = client_for(engines.server_addr, model_a, "pd", 256)
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from benchmarks.common import stop_process_group
 from conftest import REPO, random_prompts
 from pd_harness import free_port, wait_until
 
@@ -46,13 +46,7 @@ class Served:
         return httpx.get(f"{self.url}/metrics", timeout=10).text
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+        stop_process_group(self.proc)
 
 
 def metric(text: str, name: str, instance: str) -> float:

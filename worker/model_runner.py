@@ -144,10 +144,11 @@ class ModelRunner:
         if not len(rows):
             return accepted, None
         k = batch.num_drafts[rows]
-        ends = batch.layout.query_start_loc[1:][rows]
-        # Row r needs logits at its last 1 + k[r] positions (the verified drafts and the bonus).
-        positions = np.concatenate([np.arange(e - 1 - n, e) for e, n in zip(ends, k)])
-        if len(positions) < hidden.shape[0]:  # (decode and verify steps need every position)
+        # Row r needs logits at its last 1 + k[r] positions (the verified drafts and the bonus);
+        # decode and verify steps need every position, prefill chunks only their ends.
+        if int(k.sum()) + len(rows) < hidden.shape[0]:
+            ends = batch.layout.query_start_loc[1:][rows]
+            positions = np.concatenate([np.arange(e - 1 - n, e) for e, n in zip(ends, k)])
             hidden = hidden[torch.from_numpy(positions).to(self.device)]
         logits = self.model.compute_logits(hidden)
         slots = batch.slots[rows]

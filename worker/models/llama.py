@@ -181,8 +181,7 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        return logits if logits.dtype == torch.float32 else logits.float()
+        return self.lm_head(hidden).float()
 
     def set_draft_dtype(self, dtype: torch.dtype) -> None:
         """Run the MTP layers and a copy of lm_head for drafting in `dtype` (after loading)."""
@@ -196,8 +195,7 @@ class CausalLM(nn.Module):
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for proposing drafts from an MTP hidden state (in the drafter's precision)."""
-        logits = (self.draft_head or self.lm_head)(hidden)
-        return logits if logits.dtype == torch.float32 else logits.float()
+        return (self.draft_head or self.lm_head)(hidden).float()
 
     def mtp_forward(self, layer: int, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                     attn: AttentionBackend, has_position0: bool = True) -> torch.Tensor:
