@@ -336,7 +336,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--request-rate", type=float, default=3.0)
     ap.add_argument("--max-concurrency", type=int, default=None)
-    ap.add_argument("--input-len", type=int, default=256, help="random workload: prompt tokens (+-50%)")
+    ap.add_argument("--input-len", type=int, default=256, help="random workload: prompt tokens (+-50%%)")
     ap.add_argument("--prompt-lines", type=int, default=24, help="code workload: source lines per prompt")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 2)
