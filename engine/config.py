@@ -115,6 +115,10 @@ class EngineConfig:
     # the target verifies, so this trades nothing but draft quality for speed. "auto": bfloat16
     # when the target runs in float32 on hardware with native bf16 math, else the target's dtype.
     draft_dtype: str = "auto"
+    # Run the model eagerly instead of compiling its forward with torch.compile (worker/compilation.py).
+    # None: PDSERVE_ENFORCE_EAGER if set, else eager on CPU, where compiling was measured not to pay
+    # at the batch sizes a server runs (benchmarks/results/compile.txt), compiled on CUDA.
+    enforce_eager: bool | None = None
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -122,6 +126,9 @@ class EngineConfig:
         return self.num_speculative_tokens if self.speculative_method else 0
 
     def validate(self, model_cfg: ModelConfig) -> None:
+        if self.enforce_eager is None:
+            env = os.environ.get("PDSERVE_ENFORCE_EAGER")
+            self.enforce_eager = env not in ("0", "false") if env is not None else not self.device.startswith("cuda")
         if self.max_model_len is None:
             self.max_model_len = min(model_cfg.max_position_embeddings, 4096)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):

@@ -60,6 +60,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     env = os.environ.get("PDSERVE_ENABLE_PREFIX_CACHING")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=(env not in ("0", "false")) if env is not None else True, help="[PDSERVE_ENABLE_PREFIX_CACHING]")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the model eagerly instead of compiling it with torch.compile (default: eager on CPU, "
+                        "compiled on CUDA) [PDSERVE_ENFORCE_EAGER]")
 
 
 def engine_config(args: argparse.Namespace, role: str = "colocated") -> EngineConfig:
@@ -76,7 +79,7 @@ def engine_config(args: argparse.Namespace, role: str = "colocated") -> EngineCo
                         kv_memory_fraction=args.kv_memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
                         dtype=args.dtype, device=args.device, seed=args.seed, num_threads=args.num_threads,
                         speculative_method=method if method != "none" else None, num_speculative_tokens=num_spec,
-                        draft_dtype=args.draft_dtype)
+                        draft_dtype=args.draft_dtype, enforce_eager=args.enforce_eager)
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
@@ -87,6 +90,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         if value is not None:
             argv += [flag, str(value)]
     argv.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
+    if args.enforce_eager is not None:
+        argv.append("--enforce-eager" if args.enforce_eager else "--no-enforce-eager")
     return argv
 
 

@@ -1,16 +1,35 @@
-"""Paged attention in torch, driven by a per-step context.
+"""Paged attention, driven by a per-step context.
 
-The runner builds one `AttentionContext` per step (slot mapping, gather indices, mask); every
-layer then writes its new K/V into the paged cache and attends over the gathered blocks. The
-model only calls `ctx.attend(layer, q, k, v)` and never sees block tables.
+The runner builds one `AttentionContext` per step; every layer then writes its new K/V into the
+paged cache and attends. The model only calls `attend(layer, q, k, v)` and never sees blocks.
+
+How a row attends depends on its query length:
+- short rows (decode, speculative verify: at most `PAGED_MAX_QUERY` tokens) go to a paged kernel
+  that reads the row's blocks in place through its block table: C++ on CPU
+  (worker/csrc/paged_attention.cpp), Triton on CUDA (worker/triton_attention.py);
+- prefill chunks run SDPA: causal over their own K/V when nothing is cached before them (no
+  cache read, no mask), else over their context gathered from the cache with a causal mask built
+  on the device.
+`reference_attention` (dense gather + host-built mask, every row alike) is the torch reference
+the kernels are tested against, and the fallback where no kernel can run (`PDSERVE_ATTENTION=torch`
+forces it).
+
+A compiled model cannot trace through this object, so it calls the `pdserve::attention` custom
+op instead, which finds the step's context through `forward_context` (as vLLM's forward context).
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+PAGED_MAX_QUERY = 16
 
 
 @dataclass
@@ -36,20 +55,122 @@ class StepLayout:
         return self._positions
 
 
+def default_backend(device: torch.device) -> str:
+    """"cpp", "triton" or "torch" (the reference), from PDSERVE_ATTENTION (auto|cpp|triton|torch)."""
+    choice = os.environ.get("PDSERVE_ATTENTION", "auto")
+    if choice != "auto":
+        return choice
+    if device.type == "cuda":
+        from worker.kernels import HAS_TRITON
+
+        return "triton" if HAS_TRITON else "torch"
+    from worker import cpu_attention
+
+    return "cpp" if cpu_attention.available() else "torch"
+
+
+@dataclass
+class PrefillRow:
+    """A long row attended with SDPA: tokens [start, end) of the step, `num_computed` cached before."""
+
+    start: int
+    end: int
+    kv_slots: torch.Tensor | None   # the row's whole context in the cache; None: attend its own K/V
+    mask: torch.Tensor | None       # [q, kv] bool, None: plain causal
+
+
 class AttentionContext:
     """Everything attention needs for one step, computed once and shared by all layers."""
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: StepLayout, block_size: int,
-                 device: torch.device, sliding_window: int | None = None) -> None:
-        self.kv_caches = kv_caches
-        b = len(layout.query_lens)
-        qsl = layout.query_start_loc
+                 device: torch.device, sliding_window: int | None = None, backend: str | None = None) -> None:
+        self.kv_caches, self.layout, self.block_size, self.window = kv_caches, layout, block_size, sliding_window
+        self.backend = backend or default_backend(device)
         positions = layout.positions()
         bt = layout.block_tables
-        max_q, max_kv = int(layout.query_lens.max()), int(layout.seq_lens.max())
-        row = np.repeat(np.arange(b), layout.query_lens)
+        row = np.repeat(np.arange(len(layout.query_lens)), layout.query_lens)
         slot_mapping = bt[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        self.positions = torch.from_numpy(positions).to(device)
+        self.slot_mapping = torch.from_numpy(slot_mapping).to(device)
+        if self.backend == "torch":
+            self.reference = ReferenceLayout(layout, block_size, device, sliding_window, kv_caches[0][0].dtype)
+            return
+        short = layout.query_lens <= PAGED_MAX_QUERY
+        q_len = np.where(short, layout.query_lens, 0).astype(np.int32)
+        self.max_short_query = int(q_len.max())
+        if self.max_short_query:
+            def dev(a: np.ndarray) -> torch.Tensor:
+                return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
 
+            self.paged_args = (dev(bt), dev(layout.query_start_loc[:-1]), dev(q_len), dev(layout.seq_lens))
+        self.prefill_rows = [self._prefill_row(r, device) for r in np.nonzero(~short)[0].tolist()]
+
+    def _prefill_row(self, r: int, device: torch.device) -> PrefillRow:
+        lay, window = self.layout, self.window
+        start, end = int(lay.query_start_loc[r]), int(lay.query_start_loc[r + 1])
+        computed, seq_len = int(lay.num_computed[r]), int(lay.seq_lens[r])
+        if computed == 0 and (window is None or seq_len <= window):
+            return PrefillRow(start, end, None, None)
+        j = np.arange(seq_len)
+        slots = lay.block_tables[r, j // self.block_size].astype(np.int64) * self.block_size + j % self.block_size
+        keys = torch.arange(seq_len, device=device)
+        queries = torch.arange(computed, seq_len, device=device)[:, None]
+        mask = keys[None, :] <= queries
+        if window is not None:
+            mask &= keys[None, :] > queries - window
+        return PrefillRow(start, end, torch.from_numpy(slots).to(device), mask)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] for this step's tokens. Returns [T, H, D]."""
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        if q.dtype != k_cache.dtype:  # a lower-precision MTP drafter: attend in the cache's dtype
+            return self.attend(layer_idx, q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)).to(q.dtype)
+        k_cache.index_copy_(0, self.slot_mapping, k)
+        v_cache.index_copy_(0, self.slot_mapping, v)
+        if self.backend == "torch":
+            return reference_attention(self.reference, q, k_cache, v_cache)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if self.max_short_query:
+            self._paged(q, k_cache, v_cache, out)
+        for row in self.prefill_rows:
+            out[row.start : row.end] = self._prefill(row, q, k, v, k_cache, v_cache)
+        return out
+
+    def _paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
+        scale = q.shape[-1] ** -0.5
+        if self.backend == "triton":
+            from worker import triton_attention
+
+            triton_attention.paged_attention(q, k_cache, v_cache, *self.paged_args, self.block_size, self.window,
+                                             scale, out, self.max_short_query)
+        else:
+            from worker import cpu_attention
+
+            cpu_attention.paged_attention(q, k_cache, v_cache, *self.paged_args, self.block_size, self.window,
+                                          scale, out)
+
+    @staticmethod
+    def _prefill(row: PrefillRow, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> torch.Tensor:
+        queries = q[row.start : row.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        if row.kv_slots is None:
+            keys, values = k[row.start : row.end], v[row.start : row.end]
+        else:
+            keys, values = k_cache.index_select(0, row.kv_slots), v_cache.index_select(0, row.kv_slots)
+        out = F.scaled_dot_product_attention(queries, keys.transpose(0, 1).unsqueeze(0),
+                                             values.transpose(0, 1).unsqueeze(0), attn_mask=row.mask,
+                                             is_causal=row.mask is None, enable_gqa=q.shape[1] != k.shape[1])
+        return out[0].transpose(0, 1)
+
+
+class ReferenceLayout:
+    """The torch reference's per-step tensors: every row's context gathered densely, a host-built mask."""
+
+    def __init__(self, layout: StepLayout, block_size: int, device: torch.device, sliding_window: int | None,
+                 dtype: torch.dtype) -> None:
+        b = len(layout.query_lens)
+        qsl, bt = layout.query_start_loc, layout.block_tables
+        max_q, max_kv = int(layout.query_lens.max()), int(layout.seq_lens.max())
         j = np.arange(max_kv)
         kv_valid = j[None, :] < layout.seq_lens[:, None]
         blk = np.minimum(j // block_size, bt.shape[1] - 1)
@@ -71,33 +192,58 @@ class AttentionContext:
             mask |= ~q_valid[:, :, None] & (j[None, None, :] == 0)  # padding rows attend somewhere: no NaNs
             self.q_gather = torch.from_numpy(q_gather).to(device)
             self.q_valid = torch.from_numpy(q_valid).to(device)
-
-        self.positions = torch.from_numpy(positions).to(device)
-        self.slot_mapping = torch.from_numpy(slot_mapping).to(device)
         self.kv_shape = kv_gather.shape
         self.kv_gather = torch.from_numpy(kv_gather.reshape(-1)).to(device)
         # Additive float mask, built once per step (a bool mask is converted by every layer's SDPA call).
-        dtype = kv_caches[0][0].dtype
         self.mask = torch.from_numpy(np.where(mask, 0.0, -np.inf)).unsqueeze(1).to(device=device, dtype=dtype)
 
+
+def reference_attention(ref: ReferenceLayout, q: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor) -> torch.Tensor:
+    """Attention of every row over its gathered context (the cache already holds this step's K/V)."""
+    b, max_kv = ref.kv_shape
+    # index_select on the flat gather list is about twice as fast as advanced indexing.
+    keys = k_cache.index_select(0, ref.kv_gather).view(b, max_kv, *k_cache.shape[1:]).transpose(1, 2)
+    values = v_cache.index_select(0, ref.kv_gather).view(b, max_kv, *v_cache.shape[1:]).transpose(1, 2)
+    queries = q.reshape(b, ref.max_q, *q.shape[1:]) if ref.q_gather is None else q[ref.q_gather]
+    out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=ref.mask,
+                                         enable_gqa=q.shape[1] != k_cache.shape[1]).transpose(1, 2)  # [B, max_q, H, D]
+    return out.reshape(-1, *out.shape[2:]) if ref.q_valid is None else out[ref.q_valid]
+
+
+# -- the compiled model's way in ------------------------------------------------------------
+
+_local = threading.local()  # per thread: tests run a prefill and a decode engine as threads of one process
+
+
+@contextlib.contextmanager
+def forward_context(ctx: AttentionContext) -> Iterator[None]:
+    """Make `ctx` the step's context for `pdserve::attention` calls (a compiled forward)."""
+    previous, _local.ctx = getattr(_local, "ctx", None), ctx
+    try:
+        yield
+    finally:
+        _local.ctx = previous
+
+
+@torch.library.custom_op("pdserve::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    # It writes the KV cache, which is no graph input: the compiler only sees q, k, v -> out.
+    ctx = getattr(_local, "ctx", None)
+    assert ctx is not None, "pdserve::attention called outside forward_context"
+    return ctx.attend(layer_idx, q, k, v)
+
+
+@attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+class ForwardContextAttention:
+    """The attention backend a compiled model is traced with: one opaque op per layer."""
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D] for this step's tokens. Returns [T, H, D]."""
-        k_cache, v_cache = self.kv_caches[layer_idx]
-        if q.dtype != k_cache.dtype:  # a lower-precision MTP drafter: attend in the cache's dtype
-            return self.attend(layer_idx, q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)).to(q.dtype)
-        k_cache.index_copy_(0, self.slot_mapping, k)
-        v_cache.index_copy_(0, self.slot_mapping, v)
-        b, max_kv = self.kv_shape
-        # index_select on the flat gather list is about twice as fast as advanced indexing.
-        keys = k_cache.index_select(0, self.kv_gather).view(b, max_kv, *k_cache.shape[1:]).transpose(1, 2)
-        values = v_cache.index_select(0, self.kv_gather).view(b, max_kv, *v_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, max_kv, D]
-        if self.q_gather is None:
-            queries = q.reshape(b, self.max_q, *q.shape[1:])
-        else:
-            queries = q[self.q_gather]
-        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=self.mask,
-                                             enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)  # [B, max_q, H, D]
-        return out.reshape(-1, *out.shape[2:]) if self.q_valid is None else out[self.q_valid]
+        return attention_op(q, k, v, layer_idx)
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

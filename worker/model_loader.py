@@ -77,7 +77,7 @@ def all_checkpoint_keys(model_dir: Path) -> set[str]:
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str, max_positions: int,
-               num_mtp_layers: int = 0, draft_dtype: str | None = None) -> CausalLM:
+               num_mtp_layers: int = 0, draft_dtype: str | None = None, compiled: bool = False) -> CausalLM:
     model_dir = Path(model_dir)
     if num_mtp_layers > cfg.num_mtp_layers:
         raise ValueError(f"speculative_method: 'mtp' needs MTP layers, but {str(model_dir)!r} has "
@@ -96,7 +96,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
         logger.info("ignoring %d checkpoint keys the model does not use (e.g. %s)", len(unused), unused[0])
     if num_mtp_layers and draft_dtype and draft_dtype != dtype:
         model.set_draft_dtype(DTYPES[draft_dtype])
-    pack_linears(model, device, shared={id(model.model.embed_tokens.weight)})
+    pack_linears(model, device, shared={id(model.model.embed_tokens.weight)},
+                 skip=model.model.layers if compiled else None)
     return model.eval()
 
 

@@ -16,6 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
 from worker import invariants, kernels
 from worker.attention import AttentionContext, StepLayout, allocate_kv_caches
+from worker.compilation import ModelForward
 from worker.model_loader import DTYPES, load_model, resolve_draft_dtype
 from worker.drafter import MTPDrafter, NgramDrafter, StepBatch
 from worker.rejection_sampler import RejectionSampler
@@ -53,7 +54,8 @@ class ModelRunner:
         self.draft_dtype = resolve_draft_dtype(config.draft_dtype, config.dtype, config.device)
         self.model = load_model(Path(config.model), model_cfg, config.dtype, config.device,
                                 max_positions=max_len + lookahead + 8, num_mtp_layers=num_mtp,
-                                draft_dtype=self.draft_dtype)
+                                draft_dtype=self.draft_dtype, compiled=not config.enforce_eager)
+        self.forward = ModelForward(self.model, compile_model=not config.enforce_eager)
         self.num_kv_layers = model_cfg.num_hidden_layers + num_mtp  # MTP layers get their own paged cache
         self.num_kv_blocks = num_kv_blocks_for(config, model_cfg, self.num_kv_layers)
         self.kv_cache, self.kv_views = allocate_kv_caches(
@@ -84,7 +86,7 @@ class ModelRunner:
 
         input_ids = self._prepare_input_ids(batch)
         ctx = AttentionContext(self.kv_views, batch.layout, self.block_size, self.device, self.model_cfg.sliding_window)
-        hidden = self.model(input_ids, ctx.positions, ctx)
+        hidden = self.forward(input_ids, ctx.positions, ctx)
         accepted, logprobs = self._sample(batch, hidden)
         self._write_back(batch, accepted)
         drafts = [[] for _ in batch.req_ids]

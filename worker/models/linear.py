@@ -60,11 +60,13 @@ def can_pack(dtype: torch.dtype, device: str) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16_cpu())
 
 
-def pack_linears(model: nn.Module, device: str, shared: set[int]) -> None:
+def pack_linears(model: nn.Module, device: str, shared: set[int], skip: nn.Module | None = None) -> None:
     """Pack every `Linear` of `model` whose dtype oneDNN handles well here; weights whose id is in
-    `shared` (tied embeddings) are kept."""
+    `shared` (tied embeddings) are kept. Linears inside `skip` (a part torch.compile will compile,
+    which cannot trace a packed weight) stay plain."""
+    unpacked = {id(m) for m in skip.modules()} if skip is not None else set()
     for module in model.modules():
-        if isinstance(module, Linear) and can_pack(module.weight.dtype, device):
+        if isinstance(module, Linear) and id(module) not in unpacked and can_pack(module.weight.dtype, device):
             module.pack(keep_weight=id(module.weight) in shared)
 
 

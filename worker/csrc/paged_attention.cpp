@@ -1,0 +1,146 @@
+// Paged attention on the CPU that reads the KV cache in place.
+//
+// Each (request row, KV head) task walks the row's blocks through its block table and attends
+// every query head of the group over them: no dense copy of the context, no host-built mask.
+// Row b owns queries [query_start[b], query_start[b] + query_len[b]) (a row with query_len 0 is
+// skipped: the caller attends it another way); its seq_lens[b] keys include
+// this step's tokens (already written to the cache), so query i sits at absolute position
+// seq_len - query_len + i and sees keys j <= that position (and j > position - window when a
+// sliding window is set). The torch reference is worker/attention.py:AttentionContext.attend.
+//
+// Arithmetic is fp32 whatever the cache dtype. Built at first use by worker/cpu_attention.py.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+struct Shapes {
+  int64_t heads, kv_heads, head_dim, block_size, max_blocks, window;
+  int64_t q_stride_t, q_stride_h, kv_stride_slot, o_stride_t;
+  float scale;
+};
+
+template <typename scalar_t>
+inline float dot(const float* q, const scalar_t* k, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < n; ++d) acc += q[d] * static_cast<float>(k[d]);
+  return acc;
+}
+
+// One (row, KV head) task, flash-decoding style: blocks of keys are visited once each, scores,
+// an online softmax update and the V accumulation done while the block is hot in cache.
+template <typename scalar_t>
+void attend_row_head(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, scalar_t* out,
+                     const int32_t* block_table, int64_t q0, int64_t q_len, int64_t seq_len, int64_t kv_head,
+                     const Shapes& s) {
+  const int64_t group = s.heads / s.kv_heads, dim = s.head_dim, bs = s.block_size;
+  const int64_t rows = q_len * group;  // query vectors of this task: token-major, then head
+  const int64_t first_pos = seq_len - q_len;
+  const int64_t lo = s.window > 0 ? std::max<int64_t>(0, first_pos - s.window + 1) : 0;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<float> qf(rows * dim), acc(rows * dim, 0.f), max_score(rows, neg_inf), denom(rows, 0.f),
+      scores(rows * bs);
+  for (int64_t i = 0; i < q_len; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      const scalar_t* src = q + (q0 + i) * s.q_stride_t + (kv_head * group + g) * s.q_stride_h;
+      float* dst = qf.data() + (i * group + g) * dim;
+      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * s.scale;
+    }
+  for (int64_t blk = lo / bs; blk * bs < seq_len; ++blk) {
+    const int64_t j0 = blk * bs, jlo = std::max(j0, lo), jhi = std::min(j0 + bs, seq_len);
+    const int64_t slot0 = static_cast<int64_t>(block_table[blk]) * bs - j0;  // slot of key j: slot0 + j
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = first_pos + r / group;
+      const float* qr = qf.data() + r * dim;
+      float* sr = scores.data() + r * bs;
+      float block_max = neg_inf;
+      for (int64_t j = jlo; j < jhi; ++j) {
+        const bool visible = j <= pos && (s.window <= 0 || j > pos - s.window);
+        const float sc = visible ? dot(qr, k_cache + (slot0 + j) * s.kv_stride_slot + kv_head * dim, dim) : neg_inf;
+        sr[j - jlo] = sc;
+        block_max = std::max(block_max, sc);
+      }
+      if (block_max == neg_inf) continue;  // nothing of this block is visible to this query
+      const float new_max = std::max(max_score[r], block_max);
+      const float rescale = std::exp(max_score[r] - new_max);  // 0 on the first visible block
+      float* a = acc.data() + r * dim;
+      float sum = denom[r] * rescale;
+      if (rescale != 1.f)
+        for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
+      for (int64_t j = jlo; j < jhi; ++j) {
+        const float p = std::exp(sr[j - jlo] - new_max);
+        if (p == 0.f) continue;  // masked keys cost nothing more
+        sum += p;
+        const scalar_t* v = v_cache + (slot0 + j) * s.kv_stride_slot + kv_head * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(v[d]);
+      }
+      denom[r] = sum;
+      max_score[r] = new_max;
+    }
+  }
+  for (int64_t i = 0; i < q_len; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = i * group + g;
+      scalar_t* dst = out + (q0 + i) * s.o_stride_t + (kv_head * group + g) * dim;
+      const float inv = 1.f / denom[r];  // > 0: a query always sees itself
+      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[r * dim + d] * inv);
+    }
+}
+
+// q: [T, H, D] (last dim contiguous); k_cache, v_cache: [slots, Hkv, D] contiguous; block_table:
+// [B, max_blocks] int32; query_start, query_len, seq_lens: [B] int32; out: [T, H, D].
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& query_len,
+                     const at::Tensor& seq_lens,
+                     int64_t block_size, int64_t sliding_window, double scale, at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && out.sizes() == q.sizes(), "paged_attention: bad shapes");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() && q.stride(2) == 1,
+              "paged_attention: caches and out must be contiguous");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && query_start.scalar_type() == at::kInt &&
+                  query_len.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_table.is_contiguous(),
+              "paged_attention: index tensors must be contiguous int32");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
+              "paged_attention: q, cache and out dtypes differ");
+  const int64_t num_rows = seq_lens.size(0);
+  const Shapes s{q.size(1), k_cache.size(1), q.size(2), block_size, block_table.size(1), sliding_window,
+                 q.stride(0), q.stride(1), k_cache.stride(0), out.stride(0), static_cast<float>(scale)};
+  TORCH_CHECK(s.heads % s.kv_heads == 0, "paged_attention: heads must be a multiple of kv heads");
+  const int32_t* q_start = query_start.data_ptr<int32_t>();
+  const int32_t* q_lens = query_len.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, num_rows * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / s.kv_heads, h = task % s.kv_heads;
+        const int64_t q0 = q_start[b], q_len = q_lens[b];
+        if (q_len > 0)
+          attend_row_head(qp, kp, vp, op, bt + b * s.max_blocks, q0, q_len, lens[b], h, s);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_cpu, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor query_start, "
+      "Tensor query_len, Tensor seq_lens, int block_size, int sliding_window, float scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
