@@ -159,7 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_tokenizer_dir(path: str | None):
     """(tokenizer or None, vocabulary size or None) of a local checkpoint/tokenizer directory."""
     from engine.config import default_model
-    from engine.llm import load_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     path = path or default_model()
     tokenizer, vocab = None, None

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import DEFAULT_MODEL_DIR
+from engine.tokenizer import has_tokenizer
 
 
 def resolve_model(model: str | None, random_config: dict | None = None) -> str:
@@ -51,7 +52,7 @@ def ensure_tokenizer(model_dir: str) -> str:
     made. Byte-level BPE (vocab + merges, no special tokens) is also what transformers' Qwen2/Llama
     tokenizer classes rebuild from `tokenizer.json`, so `AutoTokenizer` loads it for any architecture."""
     path = Path(model_dir)
-    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if has_tokenizer(path):
         return model_dir
     import json
     import sysconfig

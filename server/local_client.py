@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.types import SamplingParams
 from server.protocol import GenerationChunk, InstanceInfo
 
 logger = logging.getLogger(__name__)

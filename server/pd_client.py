@@ -19,8 +19,7 @@ import zmq
 import zmq.asyncio
 
 from engine import messages as msg
-from engine.sampling_params import SamplingParams
-from scheduler.output import TokenLogprobs
+from engine.types import EngineRole, FinishReason, SamplingParams, ServeMode
 from server.protocol import EngineUnavailableError, GenerationChunk, InstanceInfo
 
 logger = logging.getLogger(__name__)

@@ -6,8 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.sampling_params import SamplingParams
-from scheduler.output import TokenLogprobs
+from engine.types import EngineRole, FinishReason, SamplingParams, TokenLogprobs
 
 
 @dataclass

@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from engine.sampling_params import SamplingParams
-from scheduler.output import TokenLogprobs
+from engine.types import FinishReason, SamplingParams, TokenLogprobs
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenTexts
 from server.errors import APIError, bad_request
 from server.metrics import ServerMetrics

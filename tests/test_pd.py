@@ -5,7 +5,7 @@ import pytest
 
 from conftest import random_prompts
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.types import SamplingParams
 from pd_harness import ThreadedEngines, client_for, generate_all, running_client, wait_blocks_free, wait_ready
 from worker.states import RequestStates
 

@@ -9,7 +9,7 @@ import zmq
 
 from conftest import make_checkpoint, random_prompts
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.types import SamplingParams
 from kv_transfer import messages as m
 from pd_harness import (ProcessGroup, ThreadedEngines, client_for, generate_all, running_client, wait_blocks_free,
                         wait_ready, wait_until)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from conftest import make_checkpoint
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.types import SamplingParams
 from server.app import build_app
 from server.detokenizer import IncrementalDetokenizer
 from server.local_client import LocalEngineClient

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
+from engine.types import TokenLogprobs
+from scheduler.output import RunnerOutput, SchedulerOutput
 from worker import invariants, kernels
 from worker.attention import AttentionContext, StepLayout, allocate_kv_caches
 from worker.model_loader import DTYPES, load_model, resolve_draft_dtype
