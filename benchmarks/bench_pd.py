@@ -25,7 +25,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
-from benchmarks.common import mixed_prompts, pct, resolve_model, stop_process_group  # noqa: E402
+from benchmarks.common import mixed_prompts, pct, resolve_model  # noqa: E402
+from server.procs import stop_process_group  # noqa: E402
 from kv_transfer.receiver import KVReceiver  # noqa: E402
 from kv_transfer.sender import KVSender  # noqa: E402
 
@@ -39,7 +40,7 @@ def bench_transfer(transport: str, layers: int, blocks_per_req: int, num_reqs: i
     ctx = zmq.Context()
     tmp = tempfile.mkdtemp()
     addr = f"ipc://{tmp}/kv" if transport == "ipc" else "tcp://127.0.0.1:0"
-    sender = KVSender(ctx, addr, src, "h", "d", "p", release_blocks=lambda r: None)
+    sender = KVSender(ctx, addr, src, "h", "d", "p", release_blocks=lambda *_: None)
     receiver = KVReceiver(ctx, dst, "h", "d", "d")
     blocks = list(range(blocks_per_req))
     nbytes = layers * 2 * blocks_per_req * 16 * 8 * 64 * 4

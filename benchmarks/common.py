@@ -1,11 +1,9 @@
-"""Helpers shared by the benchmarks (and the tests that start servers): model choice, prompts,
-percentiles, stopping a server's process group."""
+"""Helpers shared by the benchmarks: model choice, prompts, percentiles, a tokenizer for
+tokenizer-less checkpoints."""
 from __future__ import annotations
 
 import os
 import random
-import signal
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -74,20 +72,3 @@ def ensure_tokenizer(model_dir: str) -> str:
         tok.add_tokens([f"w{i}" for i in range(vocab_size - tok.get_vocab_size())])
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
     return model_dir
-
-
-def stop_process_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
-    """SIGTERM the process group `proc` leads (a front end and the engines it started, launched with
-    start_new_session=True); SIGKILL it after `grace_s`, and in any case make sure nothing in the
-    group outlives the leader."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import bench_serving  # noqa: E402
-from benchmarks.common import ensure_tokenizer, resolve_model, stop_process_group  # noqa: E402
+from benchmarks.common import ensure_tokenizer, resolve_model  # noqa: E402
+from server.procs import stop_process_group  # noqa: E402
 
 logger = logging.getLogger("compare")
 RESULTS = REPO / "benchmarks" / "results"

@@ -47,7 +47,8 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.bench_serving import RequestResult, client_limits, send_request  # noqa: E402
-from benchmarks.common import ensure_tokenizer, resolve_model, stop_process_group  # noqa: E402
+from benchmarks.common import ensure_tokenizer, resolve_model  # noqa: E402
+from server.procs import stop_process_group  # noqa: E402
 
 logger = logging.getLogger("fault_drill")
 RESULTS = REPO / "benchmarks" / "results"

@@ -93,6 +93,22 @@ class ModelConfig:
         )
 
 
+def default_max_model_len(model_cfg: ModelConfig) -> int:
+    """The context length when none is given: the model's, at most 4096 (the KV cache is small)."""
+    return min(model_cfg.max_position_embeddings, 4096)
+
+
+@dataclass
+class KVTransferConfig:
+    """KV-port settings of a prefill or decode engine (the `--kv-*` flags)."""
+
+    addr: str = ""          # prefill: bind address of the KV port (default tcp://127.0.0.1:random)
+    advertise: str = ""     # prefill: the address decode instances dial (default: derived from addr)
+    key: str = ""           # shared key required on the KV port
+    lease_s: float = 30.0   # prefill: free held blocks after this long without the decode side
+    deadline_s: float = 60.0  # decode: give up a KV transfer after this long
+
+
 @dataclass
 class EngineConfig:
     """Engine arguments; names follow vLLM's where they exist."""
@@ -123,7 +139,7 @@ class EngineConfig:
 
     def validate(self, model_cfg: ModelConfig) -> None:
         if self.max_model_len is None:
-            self.max_model_len = min(model_cfg.max_position_embeddings, 4096)
+            self.max_model_len = default_max_model_len(model_cfg)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

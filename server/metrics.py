@@ -13,6 +13,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine.types import FinishReason
 from server.protocol import InstanceInfo
 
 logger = logging.getLogger(__name__)
@@ -64,18 +65,26 @@ class _InstanceCollector:
             for info in infos:
                 family.add_metric([info.name, info.role], float(value(info)))
             yield family
-        counters: dict[str, CounterMetricFamily] = {}
-        for info in infos:
-            for key, val in (info.counters or {}).items():
-                # "name{label=value}" carries one extra label (e.g. the draft position).
-                m = re.fullmatch(r"([^{]+)\{(\w+)=([^}]*)\}", key)
-                base, extra = (m.group(1), {m.group(2): m.group(3)}) if m else (key, {})
-                name = metric_name(base)
-                if name not in counters:
-                    counters[name] = CounterMetricFamily(name, f"Engine counter {base}.",
-                                                         labels=["instance", "role", *extra])
-                counters[name].add_metric([info.name, info.role, *extra.values()], float(val))
-        yield from counters.values()
+        yield from _engine_counters(infos)
+
+
+def _engine_counters(infos: list[InstanceInfo]) -> list[CounterMetricFamily]:
+    """One family per engine counter; per-position counters get a `position` label."""
+    families: dict[str, CounterMetricFamily] = {}
+
+    def family(key: str, labels: list[str]) -> CounterMetricFamily:
+        name = metric_name(key)
+        if name not in families:
+            families[name] = CounterMetricFamily(name, f"Engine counter {key}.", labels=labels)
+        return families[name]
+
+    for info in infos:
+        for key, val in (info.counters or {}).items():
+            family(key, ["instance", "role"]).add_metric([info.name, info.role], float(val))
+        for key, values in (info.per_position or {}).items():
+            for pos, val in enumerate(values):
+                family(key, ["instance", "role", "position"]).add_metric([info.name, info.role, str(pos)], float(val))
+    return list(families.values())
 
 
 class ServerMetrics:
@@ -97,7 +106,7 @@ class ServerMetrics:
         self.request_errors = Counter("pdserve:request_errors", "Requests that failed inside the engine.", registry=r)
         self.http_rejected = Counter("pdserve:http_requests_rejected", "HTTP requests refused, by status code.",
                                      ["status"], registry=r)
-        for reason in ("stop", "length", "abort"):
+        for reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):
             self.request_success.labels(finished_reason=reason)
         r.register(_InstanceCollector(instances))
 

@@ -16,7 +16,7 @@ class GenerationChunk:
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     # Seconds the request waited in the engine before it was first scheduled; set on one chunk
     # (the first) by clients that know it, feeds pdserve:request_queue_time_seconds.
@@ -28,13 +28,15 @@ class InstanceInfo:
     """One engine instance as /metrics and /health see it."""
 
     name: str           # e.g. "prefill-0", "decode-1", "colocated-0"
-    role: str           # "prefill" | "decode" | "colocated"
+    role: EngineRole
     ready: bool
     kv_blocks_free: int
     kv_blocks_total: int
     num_running: int
     num_waiting: int
     counters: dict[str, float] = field(default_factory=dict)  # monotonically increasing engine counters
+    # Counters with one value per draft position (exported with a `position` label).
+    per_position: dict[str, list[float]] = field(default_factory=dict)
 
 
 class EngineClient(Protocol):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from benchmarks.common import stop_process_group
+from server.procs import stop_process_group
 from conftest import BUNDLED_MODEL, REPO, Reference
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig

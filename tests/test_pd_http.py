@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from benchmarks.common import stop_process_group
+from server.procs import stop_process_group
 from conftest import REPO, random_prompts
 from pd_harness import free_port, wait_until
 
