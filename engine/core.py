@@ -1,6 +1,7 @@
 """The engine core of one process: scheduler + model runner + KV connector, stepped in a loop.
 
-`step()` reads like the design: KV transfers that landed -> schedule -> execute -> update.
+`receive_kv()` takes in the KV transfers that landed (PD), `step()` reads like the design:
+schedule -> execute -> update.
 Input validation lives in `add_request`, so bad input raises a ValueError before it can touch
 running requests.
 """
@@ -86,13 +87,13 @@ class EngineCore:
     # -- the loop body -------------------------------------------------------------------
 
     def step(self) -> list[RequestUpdate]:
-        updates = self._receive_kv()
         sched = self.scheduler.schedule()
         result = self.runner.execute_model(sched)
-        return updates + self.scheduler.update_from_output(sched, result)
+        return self.scheduler.update_from_output(sched, result)
 
-    def _receive_kv(self) -> list[RequestUpdate]:
-        """KV transfers that finished since the last step: loaded ones may run now, failed ones end."""
+    def receive_kv(self) -> list[RequestUpdate]:
+        """KV transfers that finished since the last call: loaded requests may run from the next
+        step, failed ones end (their updates). A no-op without a KV connector (colocated)."""
         loaded, failed = self.connector.poll()
         for item in loaded:
             self.scheduler.kv_loaded(item.req_id, item.t0, item.num_tokens)

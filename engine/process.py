@@ -1,8 +1,9 @@
 """The main loop of one engine process, whatever its role (colocated, prefill or decode).
 
-Each iteration reads like the design: receive (requests and aborts from the server) -> one
-engine step (KV that landed -> schedule -> execute -> update) -> send (tokens to the server) ->
-heartbeat. What differs between roles is the KV connector, chosen once in `__init__`.
+Each iteration reads like the design: receive (requests and aborts from the server, KV that
+landed) -> one engine step (schedule -> execute -> update) -> send (tokens to the server) ->
+heartbeat. What differs between roles is the KV connector, chosen once in `__init__`: the loop
+itself has no role branches.
 """
 from __future__ import annotations
 
@@ -72,10 +73,12 @@ class EngineProcess:
             while not self.stopping:
                 self.last_tick = time.monotonic()  # liveness: the loop is turning
                 self._wait_for_input(poller)
-                self._receive()
+                self._receive()                        # requests and aborts from the server
+                updates = self.core.receive_kv()       # KV transfers that landed or failed
                 if self.step_delay and self.core.has_unfinished():
                     time.sleep(self.step_delay)
-                self._send_updates(self.core.step())
+                updates += self.core.step()            # schedule -> execute -> update
+                self._send_updates(updates)            # tokens and errors to the server
                 self._heartbeat()
         finally:
             self.close()
