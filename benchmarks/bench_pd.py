@@ -26,10 +26,9 @@ import torch  # noqa: E402
 import zmq  # noqa: E402
 
 from benchmarks.common import mixed_prompts, pct, resolve_model  # noqa: E402
-from server.procs import stop_process_group  # noqa: E402
 from kv_transfer.receiver import KVReceiver  # noqa: E402
 from kv_transfer.sender import KVSender  # noqa: E402
-
+from server.procs import stop_process_group  # noqa: E402
 
 # -- (a) transfer throughput -------------------------------------------------------------------
 
@@ -67,13 +66,14 @@ def bench_transfer(transport: str, layers: int, blocks_per_req: int, num_reqs: i
     raw_addr = f"ipc://{tmp}/raw" if transport == "ipc" else "tcp://127.0.0.1:0"
     pull.bind(raw_addr)
     push.connect(pull.getsockopt_string(zmq.LAST_ENDPOINT))
-    frames = [memoryview(src[l][:, :blocks_per_req].contiguous().numpy()) for l in range(layers)]
+    frames = [memoryview(src[layer][:, :blocks_per_req].contiguous().numpy()) for layer in range(layers)]
     start = time.perf_counter()
     for _ in range(num_reqs):
         push.send_multipart(frames, copy=False)
         got = pull.recv_multipart(copy=False)
-        for l, f in enumerate(got[1:]):
-            dst[l][:, :blocks_per_req] = torch.frombuffer(f.buffer, dtype=torch.float32).view(dst[l][:, :blocks_per_req].shape)
+        for layer, f in enumerate(got[1:]):
+            part = dst[layer][:, :blocks_per_req]
+            part.copy_(torch.frombuffer(f.buffer, dtype=torch.float32).view(part.shape))
     raw_s = time.perf_counter() - start
     for s in (push, pull):
         s.close(0)

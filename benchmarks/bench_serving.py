@@ -43,10 +43,11 @@ import os
 import random
 import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import numpy as np
 
@@ -313,7 +314,7 @@ async def send_request(client, url: str, payload: dict, headers: dict, prompt_le
 
     try:
         await asyncio.wait_for(consume(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         out.timed_out = True
         out.error = f"client timeout: no answer within {timeout_s:.0f} s"
     except httpx.ReadTimeout:

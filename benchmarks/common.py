@@ -2,7 +2,6 @@
 tokenizer-less checkpoints."""
 from __future__ import annotations
 
-import os
 import random
 import tempfile
 from pathlib import Path

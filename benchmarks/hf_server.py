@@ -31,6 +31,7 @@ logger = logging.getLogger("hf_server")
 def build_app(model_dir: str, num_threads: int) -> FastAPI:
     import torch
     import transformers
+
     from engine.tokenizer import load_tokenizer
 
     torch.set_num_threads(num_threads)

@@ -42,7 +42,7 @@ class ModelConfig:
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"model: {model_dir!r} has no config.json (expected a Hugging Face checkpoint directory)")

@@ -416,7 +416,7 @@ def mtp_draft_incremental(mtp: MTPLayer, embed: nn.Embedding, lm_head: nn.Linear
     cos, sin = rotary(x, pos[None])
     _, k_cache, v_cache = mtp.qkv(x, cos, sin)
     drafts, logits_list = [], []
-    g_prev, x_last = None, None
+    g_prev = None
     for s in range(1, k_drafts + 1):
         if s == 1:
             x_q = x[:, i: i + 1]
@@ -991,7 +991,7 @@ def write_card(out: Path, info: dict) -> None:
         "  drafts 2..k). Those speculative entries are overwritten once the target has verified the",
         "  tokens. `scripts/train_tiny_model.py::mtp_draft_incremental` is a step-by-step reference.",
         "",
-        f"Self-check at build time: MTP block vs transformers' `Qwen2DecoderLayer` with the same weights, max",
+        "Self-check at build time: MTP block vs transformers' `Qwen2DecoderLayer` with the same weights, max",
         f"|diff| {info['self_check']['block_vs_transformers_max_abs']:.1e}; step-by-step drafting vs the masked",
         f"teacher-forced passes, max logit |diff| {info['self_check']['incremental_vs_masked_max_logit_abs']:.1e}",
         f"over {info['self_check']['compared_drafts']} drafts; look-ahead check (change token x_m, m ="

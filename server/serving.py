@@ -32,8 +32,8 @@ from server.openai_schemas import (
     ChatMessage,
     CompletionRequest,
 )
-from server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob, Usage
 from server.protocol import EngineClient, EngineUnavailableError, GenerationChunk
+from server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob, Usage
 
 logger = logging.getLogger(__name__)
 

@@ -9,13 +9,21 @@ import time
 import httpx
 import pytest
 import torch
+from conftest import BUNDLED_MODEL, REPO, Reference
+from pd_harness import (
+    ThreadedEngines,
+    client_for,
+    free_port,
+    generate_all,
+    running_client,
+    wait_blocks_free,
+    wait_ready,
+)
 from safetensors import safe_open
 
-from server.procs import stop_process_group
-from conftest import BUNDLED_MODEL, REPO, Reference
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from pd_harness import ThreadedEngines, client_for, free_port, generate_all, running_client, wait_blocks_free, wait_ready
+from server.procs import stop_process_group
 
 PROMPTS = [
     "def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",

@@ -19,7 +19,6 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
 from conftest import REPO
 from pd_harness import free_port, wait_until
 
@@ -132,7 +131,7 @@ class LocalCompose:
                                                    start_new_session=True, stdout=subprocess.DEVNULL)
 
     def stop(self) -> None:
-        for service, proc in self.procs.items():
+        for proc in self.procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
         for proc in self.procs.values():

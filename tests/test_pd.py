@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import random_prompts
+from pd_harness import ThreadedEngines, client_for, generate_all, running_client, wait_blocks_free, wait_ready
+
 from engine.config import EngineConfig
 from engine.types import SamplingParams
-from pd_harness import ThreadedEngines, client_for, generate_all, running_client, wait_blocks_free, wait_ready
 from worker.states import RequestStates
 
 VOCAB = 384

@@ -6,13 +6,21 @@ import time
 
 import pytest
 import zmq
-
 from conftest import make_checkpoint, random_prompts
+from pd_harness import (
+    ProcessGroup,
+    ThreadedEngines,
+    client_for,
+    generate_all,
+    running_client,
+    wait_blocks_free,
+    wait_ready,
+    wait_until,
+)
+
 from engine.config import EngineConfig
 from engine.types import SamplingParams
 from kv_transfer import messages as m
-from pd_harness import (ProcessGroup, ThreadedEngines, client_for, generate_all, running_client, wait_blocks_free,
-                        wait_ready, wait_until)
 
 VOCAB = 384
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -10,12 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from distributions import CHI2_MIN_P_VALUE, assert_matches_distribution, reference_probs
 from scipy import stats
 
-from distributions import CHI2_MIN_P_VALUE, assert_matches_distribution, reference_probs
 from worker.rejection_sampler import RejectionOutput, RejectionSampler
 from worker.sampler import Sampler, SamplingMetadata, make_generator
-
 
 # ----------------------------------------------------------------- helpers
 
@@ -188,7 +187,7 @@ def test_seeded_output_independent_of_batch(explicit_q: bool) -> None:
     for seed in range(24):
         logits, q, drafts = seeded_request(seed, vocab, k)
 
-        def meta(*with_others: bool) -> SamplingMetadata:
+        def meta(*with_others: bool, seed: int = seed) -> SamplingMetadata:
             own = dict(t=0.9, top_p=0.95, gen=make_generator(seed))
             rows = [own]
             if with_others:

@@ -15,17 +15,17 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import make_checkpoint
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from test_detokenizer import make_tokenizer
 
-from conftest import make_checkpoint
 from engine.config import EngineConfig
 from engine.types import SamplingParams
 from server.app import build_app
 from server.detokenizer import IncrementalDetokenizer
 from server.local_client import LocalEngineClient
 from server.protocol import EngineUnavailableError, GenerationChunk, InstanceInfo
-from test_detokenizer import make_tokenizer
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 192
@@ -48,7 +48,7 @@ class ServerThread:
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + 20
         while not self.server.started:

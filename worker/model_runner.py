@@ -17,8 +17,8 @@ from engine.types import TokenLogprobs
 from scheduler.output import RunnerOutput, SchedulerOutput
 from worker import invariants, kernels
 from worker.attention import AttentionContext, StepLayout, allocate_kv_caches
-from worker.model_loader import DTYPES, load_model, resolve_draft_dtype
 from worker.drafter import MTPDrafter, NgramDrafter, StepBatch
+from worker.model_loader import DTYPES, load_model, resolve_draft_dtype
 from worker.rejection_sampler import RejectionSampler
 from worker.sampler import Sampler, SamplingMetadata
 from worker.states import RequestStates
