@@ -174,7 +174,8 @@ def main() -> None:
             for blocks in (4, 64):
                 kv_s, raw_s, total = bench_transfer(transport, layers=8, blocks_per_req=blocks, num_reqs=40)
                 mb = total / 40 / 1e6
-                print(f"{transport:<10}{mb:>8.1f}{total / kv_s / 1e9:>14.2f}{total / raw_s / 1e9:>10.2f}{raw_s / kv_s:>8.2f}")
+                print(f"{transport:<10}{mb:>8.1f}{total / kv_s / 1e9:>14.2f}{total / raw_s / 1e9:>10.2f}"
+                      f"{raw_s / kv_s:>8.2f}")
     if not args.skip_latency:
         model = resolve_model(args.model)
         res = bench_latency(model, args.seconds, args.speculative_method)

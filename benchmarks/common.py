@@ -11,6 +11,9 @@ import numpy as np
 from engine.config import DEFAULT_MODEL_DIR
 from engine.tokenizer import has_tokenizer
 
+# Said in a report when `resolve_model` fell back to a random-weight checkpoint.
+RANDOM_MODEL_NOTE = " (random weights: the bundled model was not available)"
+
 
 def resolve_model(model: str | None, random_config: dict | None = None) -> str:
     """The given checkpoint, else the bundled model, else a random-weight Qwen2 written for the run."""

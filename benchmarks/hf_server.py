@@ -122,7 +122,8 @@ def build_app(model_dir: str, num_threads: int) -> FastAPI:
             n, max_tokens = 0, int(body.get("max_tokens") or 16)
             async for token in tokens():
                 n += 1
-                yield chunk(tokenizer.decode([token]) if tokenizer is not None else "", "length" if n == max_tokens else None)
+                yield chunk(tokenizer.decode([token]) if tokenizer is not None else "",
+                            "length" if n == max_tokens else None)
             await worker
             if n < max_tokens:  # stopped at EOS: only now is it known that the last token was the last
                 yield chunk("", "stop")

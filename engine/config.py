@@ -49,7 +49,8 @@ class ModelConfig:
         cfg = json.loads(path.read_text())
         model_type = cfg.get("model_type", "")
         if model_type not in cls.SUPPORTED:
-            raise ValueError(f"model: architecture {model_type!r} is not supported (supported: {', '.join(cls.SUPPORTED)})")
+            raise ValueError(f"model: architecture {model_type!r} is not supported "
+                             f"(supported: {', '.join(cls.SUPPORTED)})")
         # transformers >= 5 nests rope settings under `rope_parameters`; older versions use
         # top-level `rope_theta` and `rope_scaling`. Accept both.
         rope_params = dict(cfg.get("rope_parameters") or {})

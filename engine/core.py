@@ -46,7 +46,8 @@ class EngineCore:
         num_blocks = self.runner.num_kv_blocks
         if num_blocks * config.block_size < config.max_model_len:
             raise ValueError(f"num_kv_blocks: {num_blocks} blocks of {config.block_size} tokens cannot hold one "
-                             f"request of max_model_len={config.max_model_len}; raise num_kv_blocks or lower max_model_len")
+                             f"request of max_model_len={config.max_model_len}; "
+                             "raise num_kv_blocks or lower max_model_len")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.connector = KVConnector()  # colocated; an engine process may set its role's connector
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,

@@ -49,10 +49,10 @@ class EngineProcess:
         self.link.setsockopt(zmq.LINGER, 0)
         self.link.connect(server_addr)
         runner = self.core.runner
-        self.connector = get_kv_connector(
-            self.role, self.zmq, runner.kv_cache, compat_description(config, self.core.model_config, runner.num_kv_layers),
-            name, self.core.block_manager.free_blocks,
-            KVTransferConfig(**{k.removeprefix("kv_"): v for k, v in kv.items()}))
+        compat = compat_description(config, self.core.model_config, runner.num_kv_layers)
+        kv_config = KVTransferConfig(**{k.removeprefix("kv_"): v for k, v in kv.items()})
+        self.connector = get_kv_connector(self.role, self.zmq, runner.kv_cache, compat, name,
+                                          self.core.block_manager.free_blocks, kv_config)
         self.core.set_kv_connector(self.connector)
         self.stopping = False
         self.last_heartbeat = 0.0
@@ -60,7 +60,8 @@ class EngineProcess:
         # Fault-injection knob for tests and drills: slow every step down (seconds).
         self.step_delay = float(os.environ.get("PDSERVE_DEBUG_STEP_DELAY", "0"))
         endpoint = self.connector.kv_endpoint
-        logger.info("%s engine %s connected to %s%s", role, name, server_addr, f", KV port {endpoint}" if endpoint else "")
+        logger.info("%s engine %s connected to %s%s", role, name, server_addr,
+                    f", KV port {endpoint}" if endpoint else "")
 
     # -- main loop -----------------------------------------------------------------------
 

@@ -202,7 +202,8 @@ class KVSender:
         for req_id in [r for r, h in self.held.items() if h.deadline < now]:
             held = self.held.pop(req_id)
             self.stats.leases_expired += 1
-            logger.warning("KV lease of %s expired (decode peer silent): freeing %d blocks", req_id, len(held.block_ids))
+            logger.warning("KV lease of %s expired (decode peer silent): freeing %d blocks", req_id,
+                           len(held.block_ids))
             self.release_blocks(req_id, held.block_ids)
         for req_id in [r for r, p in self.pulls.items() if p.deadline < now]:
             del self.pulls[req_id]

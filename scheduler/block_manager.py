@@ -87,7 +87,8 @@ class BlockManager:
 
     # -- allocation ------------------------------------------------------------------------
 
-    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None) -> list[int] | None:
+    def allocate(self, request: Request, num_new_tokens: int,
+                 cached_blocks: list[int] | None = None) -> list[int] | None:
         """Give `request` blocks for num_computed + num_new_tokens tokens.
 
         `cached_blocks` (on admission) are prefix-cache hits that become the request's first

@@ -95,7 +95,8 @@ class ChatFormat:
                                             logprobs=None, finish_reason=None), first=True) for c in self.choices]
 
     def on_delta(self, c: Choice, delta: Delta) -> dict | None:
-        if not (delta.text or delta.finish_reason or (delta.token_ids and (self.req.logprobs or self.req.return_token_ids))):
+        wants_ids = self.req.logprobs or self.req.return_token_ids
+        if not (delta.text or delta.finish_reason or (delta.token_ids and wants_ids)):
             return None
         choice = ChatChunkChoice(index=c.index, delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
                                  logprobs=self._logprobs(delta.logprobs), finish_reason=delta.finish_reason)

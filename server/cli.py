@@ -60,7 +60,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         add_flag(p, flag, typ, default, help_)
     env = os.environ.get("PDSERVE_ENABLE_PREFIX_CACHING")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=(env not in ("0", "false")) if env is not None else True, help="[PDSERVE_ENABLE_PREFIX_CACHING]")
+                   default=(env not in ("0", "false")) if env is not None else True,
+                   help="[PDSERVE_ENABLE_PREFIX_CACHING]")
 
 
 def engine_config(args: argparse.Namespace, role: str = EngineRole.COLOCATED) -> EngineConfig:
@@ -203,7 +204,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def front_end_flags(p: argparse.ArgumentParser) -> None:
@@ -272,7 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     # Must be set before torch starts OpenMP, i.e. before anything imports torch.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = parse_args(argv)
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.func(args)
 
 

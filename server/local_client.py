@@ -102,7 +102,8 @@ class LocalEngineClient:
                 raise ValueError(f"request_id {request_id!r} is already in use")
         return self._stream(request_id, list(prompt_token_ids), params)
 
-    async def _stream(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+    async def _stream(self, request_id: str, prompt: list[int],
+                      params: SamplingParams) -> AsyncIterator[GenerationChunk]:
         if not self.is_ready():
             yield GenerationChunk([], finish_reason=FinishReason.ERROR, error=self._dead or "engine is not running")
             return
@@ -155,7 +156,8 @@ class LocalEngineClient:
             except queue.Empty:
                 break
             if cmd[0] == "add":
-                self._post(cmd[4], GenerationChunk([], finish_reason=FinishReason.ERROR, error=self._dead or "engine stopped"))
+                self._post(cmd[4], GenerationChunk([], finish_reason=FinishReason.ERROR,
+                                                   error=self._dead or "engine stopped"))
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued commands; False when asked to stop."""
@@ -231,7 +233,8 @@ class LocalEngineClient:
                 self.core.abort_request(req_id)
             except Exception:  # the core may be broken; the streams still get their ending
                 pass
-            self._post(sink, GenerationChunk([], finish_reason=reason, error=message if reason == FinishReason.ERROR else None))
+            self._post(sink, GenerationChunk([], finish_reason=reason,
+                                             error=message if reason == FinishReason.ERROR else None))
         self._sinks.clear()
 
     def _make_snapshot(self) -> InstanceInfo:
@@ -240,6 +243,7 @@ class LocalEngineClient:
         hits = getattr(self.core.block_manager, "num_hit_blocks", None)
         if hits is not None:
             counters["prefix_cache_hit_blocks"] = float(hits)
-        return InstanceInfo(name=INSTANCE_NAME, role=EngineRole.COLOCATED, ready=self.is_ready() if self._thread else False,
+        ready = self.is_ready() if self._thread else False
+        return InstanceInfo(name=INSTANCE_NAME, role=EngineRole.COLOCATED, ready=ready,
                             kv_blocks_free=s.kv_blocks_free, kv_blocks_total=s.kv_blocks_total,
                             num_running=s.num_running, num_waiting=s.num_waiting, counters=counters)

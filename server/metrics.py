@@ -57,7 +57,7 @@ class _InstanceCollector:
             "kv_blocks_free": ("Free KV cache blocks.", lambda i: i.kv_blocks_free),
             "kv_blocks_total": ("KV cache blocks in total.", lambda i: i.kv_blocks_total),
             "kv_cache_usage_perc": ("KV cache usage; 1 means 100 percent.",
-                                    lambda i: (1.0 - i.kv_blocks_free / i.kv_blocks_total) if i.kv_blocks_total else 0.0),
+                                    lambda i: 1.0 - i.kv_blocks_free / i.kv_blocks_total if i.kv_blocks_total else 0.0),
             "instance_ready": ("1 when the instance is ready to serve.", lambda i: 1.0 if i.ready else 0.0),
         }
         for key, (doc, value) in gauges.items():
@@ -97,8 +97,8 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Request latency, arrival to finish.",
                              buckets=_E2E_BUCKETS, registry=r)
-        self.queue_time = Histogram("pdserve:request_queue_time_seconds", "Time a request waited before it was scheduled.",
-                                    buckets=_E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("pdserve:request_queue_time_seconds",
+                                    "Time a request waited before it was scheduled.", buckets=_E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated.", registry=r)
         self.request_success = Counter("pdserve:request_success", "Finished requests, by finish reason.",

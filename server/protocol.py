@@ -49,7 +49,8 @@ class EngineClient(Protocol):
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[GenerationChunk]:
         """Submit and stream the request. Raises ValueError (bad input) before yielding anything.
         If the consumer stops iterating early (client disconnect), the request must be aborted."""
         ...

@@ -72,7 +72,8 @@ def http_outputs(checkpoints):
             if mode == "pd":  # every block back within 2 s of the last answer (heartbeats are 0.2 s apart)
                 names = [f"{r}-{i}" for r in ("prefill", "decode") for i in (0, 1)]
                 wait_until(lambda served=served, names=names: all(
-                               metric(served.metrics(), "kv_blocks_free", n) == metric(served.metrics(), "kv_blocks_total", n)
+                               metric(served.metrics(), "kv_blocks_free", n) == metric(served.metrics(),
+                                                                                       "kv_blocks_total", n)
                                for n in names),
                            2.0, "free KV blocks == total on every instance", interval=0.2)
             results[mode + "_metrics"] = served.metrics()

@@ -343,4 +343,5 @@ def test_invalid_inputs_raise(ks, drafts, rows, q_rows, meta_rows) -> None:
     vocab = 8
     q = torch.full((q_rows, vocab), 1.0 / vocab) if q_rows is not None else None
     with pytest.raises(ValueError):
-        RejectionSampler(Sampler())(torch.zeros(rows, vocab), ks, drafts, q, SamplingMetadata.from_lists([1.0] * meta_rows))
+        RejectionSampler(Sampler())(torch.zeros(rows, vocab), ks, drafts, q,
+                                    SamplingMetadata.from_lists([1.0] * meta_rows))
