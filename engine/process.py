@@ -32,7 +32,7 @@ IDLE_POLL_MS = 20
 
 
 class EngineProcess:
-    def __init__(self, role: str, config: EngineConfig, name: str, server_addr: str, **kv) -> None:
+    def __init__(self, role: EngineRole | str, config: EngineConfig, name: str, server_addr: str, **kv) -> None:
         """`kv`: the KVTransferConfig fields with a `kv_` prefix (kv_addr, kv_lease_s, ...)."""
         try:
             self.role = EngineRole(role)

@@ -28,6 +28,7 @@ import zmq
 from engine.config import KVTransferConfig
 from engine.request import Request
 from engine.types import EngineRole, FinishReason
+from kv_transfer.handshake import compat_hash
 from kv_transfer.receiver import Completed, Failed, KVReceiver
 from kv_transfer.sender import KVSender
 
@@ -136,8 +137,6 @@ def get_kv_connector(role: EngineRole, ctx: zmq.Context, kv_cache: torch.Tensor,
                      free_blocks: Callable[[list[int]], None], kv: KVTransferConfig) -> KVConnector:
     """The connector for `role`. `compat` describes the KV layout (handshake.compat_description);
     `free_blocks` gives blocks back to the engine's block manager (prefill: after the transfer)."""
-    from kv_transfer.handshake import compat_hash
-
     chash, desc_text = compat_hash(compat), str(compat)
     if role == EngineRole.PREFILL:
         sender = KVSender(ctx, kv.addr or "tcp://127.0.0.1:0", kv_cache, chash, desc_text, name,

@@ -53,6 +53,15 @@ class ChatLogprobs(_Response):
     content: list[TokenLogprob]
 
 
+class _Generation(_Response):
+    """The head of every generation response: request id, object type, creation time, model."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
@@ -63,11 +72,8 @@ class CompletionChoice(_Response):
     prompt_token_ids: list[int] | None = None
 
 
-class CompletionResponse(_Response):
-    id: str
+class CompletionResponse(_Generation):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -86,11 +92,8 @@ class ChatChoice(_Response):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(_Response):
-    id: str
+class ChatCompletionResponse(_Generation):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
@@ -110,11 +113,8 @@ class ChatChunkChoice(_Response):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(_Response):
-    id: str
+class ChatCompletionChunk(_Generation):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
