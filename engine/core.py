@@ -89,6 +89,8 @@ class EngineCore:
 
     def step(self) -> list[RequestUpdate]:
         sched = self.scheduler.schedule()
+        if sched.is_empty:  # an idle engine process steps too (to reserve KV): skip the runner then
+            return []
         result = self.runner.execute_model(sched)
         return self.scheduler.update_from_output(sched, result)
 

@@ -41,6 +41,11 @@ class SchedulerOutput:
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the runner: no tokens to compute and no slot to free."""
+        return not (self.num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids)
+
 
 @dataclass
 class RunnerOutput:
