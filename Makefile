@@ -22,6 +22,7 @@ serve: $(STAMP)
 	$(VENV)/bin/pdserve serve
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	PDSERVE_DEBUG_INVARIANTS=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 bench: $(STAMP)

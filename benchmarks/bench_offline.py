@@ -75,7 +75,8 @@ def main() -> None:
     prompts = mixed_prompts(args.num_prompts, vocab, args.min_len, args.max_len)
     total_out = args.num_prompts * args.new_tokens
     t_pd = run_pdserve(model, prompts, args.new_tokens, args.device, args.dtype)
-    t_hf = run_transformers(model, prompts, args.new_tokens, args.device, getattr(torch, args.dtype), args.hf_batch_size)
+    t_hf = run_transformers(model, prompts, args.new_tokens, args.device, getattr(torch, args.dtype),
+                            args.hf_batch_size)
     print(f"model: {model} | device: {args.device} {args.dtype} | threads: {torch.get_num_threads()}")
     print(f"{args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens, {args.new_tokens} new tokens each "
           f"(greedy, EOS ignored); transformers batch size {args.hf_batch_size}, left-padded")

@@ -25,10 +25,10 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
-from benchmarks.common import mixed_prompts, pct, resolve_model, stop_process_group  # noqa: E402
+from benchmarks.common import mixed_prompts, pct, resolve_model  # noqa: E402
 from kv_transfer.receiver import KVReceiver  # noqa: E402
 from kv_transfer.sender import KVSender  # noqa: E402
-
+from server.procs import stop_process_group  # noqa: E402
 
 # -- (a) transfer throughput -------------------------------------------------------------------
 
@@ -39,7 +39,7 @@ def bench_transfer(transport: str, layers: int, blocks_per_req: int, num_reqs: i
     ctx = zmq.Context()
     tmp = tempfile.mkdtemp()
     addr = f"ipc://{tmp}/kv" if transport == "ipc" else "tcp://127.0.0.1:0"
-    sender = KVSender(ctx, addr, src, "h", "d", "p", release_blocks=lambda r: None)
+    sender = KVSender(ctx, addr, src, "h", "d", "p", release_blocks=lambda *_: None)
     receiver = KVReceiver(ctx, dst, "h", "d", "d")
     blocks = list(range(blocks_per_req))
     nbytes = layers * 2 * blocks_per_req * 16 * 8 * 64 * 4
@@ -66,13 +66,14 @@ def bench_transfer(transport: str, layers: int, blocks_per_req: int, num_reqs: i
     raw_addr = f"ipc://{tmp}/raw" if transport == "ipc" else "tcp://127.0.0.1:0"
     pull.bind(raw_addr)
     push.connect(pull.getsockopt_string(zmq.LAST_ENDPOINT))
-    frames = [memoryview(src[l][:, :blocks_per_req].contiguous().numpy()) for l in range(layers)]
+    frames = [memoryview(src[layer][:, :blocks_per_req].contiguous().numpy()) for layer in range(layers)]
     start = time.perf_counter()
     for _ in range(num_reqs):
         push.send_multipart(frames, copy=False)
         got = pull.recv_multipart(copy=False)
-        for l, f in enumerate(got[1:]):
-            dst[l][:, :blocks_per_req] = torch.frombuffer(f.buffer, dtype=torch.float32).view(dst[l][:, :blocks_per_req].shape)
+        for layer, f in enumerate(got[1:]):
+            part = dst[layer][:, :blocks_per_req]
+            part.copy_(torch.frombuffer(f.buffer, dtype=torch.float32).view(part.shape))
     raw_s = time.perf_counter() - start
     for s in (push, pull):
         s.close(0)
@@ -173,7 +174,8 @@ def main() -> None:
             for blocks in (4, 64):
                 kv_s, raw_s, total = bench_transfer(transport, layers=8, blocks_per_req=blocks, num_reqs=40)
                 mb = total / 40 / 1e6
-                print(f"{transport:<10}{mb:>8.1f}{total / kv_s / 1e9:>14.2f}{total / raw_s / 1e9:>10.2f}{raw_s / kv_s:>8.2f}")
+                print(f"{transport:<10}{mb:>8.1f}{total / kv_s / 1e9:>14.2f}{total / raw_s / 1e9:>10.2f}"
+                      f"{raw_s / kv_s:>8.2f}")
     if not args.skip_latency:
         model = resolve_model(args.model)
         res = bench_latency(model, args.seconds, args.speculative_method)

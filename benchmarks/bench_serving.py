@@ -43,10 +43,11 @@ import os
 import random
 import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import numpy as np
 
@@ -159,7 +160,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_tokenizer_dir(path: str | None):
     """(tokenizer or None, vocabulary size or None) of a local checkpoint/tokenizer directory."""
     from engine.config import default_model
-    from engine.llm import load_tokenizer
+    from engine.tokenizer import load_tokenizer
 
     path = path or default_model()
     tokenizer, vocab = None, None
@@ -313,7 +314,7 @@ async def send_request(client, url: str, payload: dict, headers: dict, prompt_le
 
     try:
         await asyncio.wait_for(consume(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         out.timed_out = True
         out.error = f"client timeout: no answer within {timeout_s:.0f} s"
     except httpx.ReadTimeout:
@@ -420,7 +421,10 @@ def calculate_metrics(requests: list[SampleRequest], outputs: list[RequestResult
             continue
         n = out.output_tokens
         if n is None:  # no usage from the server: count tokens of the text, or chunks as a last resort
-            n = len(tokenizer(out.generated_text, add_special_tokens=False).input_ids) if tokenizer else len(out.chunk_times)
+            if tokenizer:
+                n = len(tokenizer(out.generated_text, add_special_tokens=False).input_ids)
+            else:
+                n = len(out.chunk_times)
         out_lens.append(n)
         in_lens.append(req.prompt_len)
         tpot = (out.latency - out.ttft) / (n - 1) if n > 1 else 0.0
@@ -556,7 +560,8 @@ async def run_benchmark(args: argparse.Namespace, requests: list[SampleRequest])
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "label": args.label, "base_url": base_url,
         "endpoint": args.endpoint, "model_id": model, "dataset_name": args.dataset_name,
         "num_prompts": len(requests), "request_rate": args.request_rate, "burstiness": args.burstiness,
-        "max_concurrency": args.max_concurrency, "percentiles": percentiles, "goodput_slos_ms": parse_goodput(args.goodput),
+        "max_concurrency": args.max_concurrency, "percentiles": percentiles,
+        "goodput_slos_ms": parse_goodput(args.goodput),
         "ignore_eos": ignore_eos,
         "spec_decode": spec_decode_stats(before, after),
         "server_side": server_latency_means(before, after),

@@ -1,17 +1,18 @@
-"""Helpers shared by the benchmarks (and the tests that start servers): model choice, prompts,
-percentiles, stopping a server's process group."""
+"""Helpers shared by the benchmarks: model choice, prompts, percentiles, a tokenizer for
+tokenizer-less checkpoints."""
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from engine.config import DEFAULT_MODEL_DIR
+from engine.tokenizer import has_tokenizer
+
+# Said in a report when `resolve_model` fell back to a random-weight checkpoint.
+RANDOM_MODEL_NOTE = " (random weights: the bundled model was not available)"
 
 
 def resolve_model(model: str | None, random_config: dict | None = None) -> str:
@@ -51,7 +52,7 @@ def ensure_tokenizer(model_dir: str) -> str:
     made. Byte-level BPE (vocab + merges, no special tokens) is also what transformers' Qwen2/Llama
     tokenizer classes rebuild from `tokenizer.json`, so `AutoTokenizer` loads it for any architecture."""
     path = Path(model_dir)
-    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if has_tokenizer(path):
         return model_dir
     import json
     import sysconfig
@@ -73,20 +74,3 @@ def ensure_tokenizer(model_dir: str) -> str:
         tok.add_tokens([f"w{i}" for i in range(vocab_size - tok.get_vocab_size())])
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
     return model_dir
-
-
-def stop_process_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
-    """SIGTERM the process group `proc` leads (a front end and the engines it started, launched with
-    start_new_session=True); SIGKILL it after `grace_s`, and in any case make sure nothing in the
-    group outlives the leader."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

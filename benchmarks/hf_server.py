@@ -31,7 +31,8 @@ logger = logging.getLogger("hf_server")
 def build_app(model_dir: str, num_threads: int) -> FastAPI:
     import torch
     import transformers
-    from engine.llm import load_tokenizer
+
+    from engine.tokenizer import load_tokenizer
 
     torch.set_num_threads(num_threads)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -121,7 +122,8 @@ def build_app(model_dir: str, num_threads: int) -> FastAPI:
             n, max_tokens = 0, int(body.get("max_tokens") or 16)
             async for token in tokens():
                 n += 1
-                yield chunk(tokenizer.decode([token]) if tokenizer is not None else "", "length" if n == max_tokens else None)
+                yield chunk(tokenizer.decode([token]) if tokenizer is not None else "",
+                            "length" if n == max_tokens else None)
             await worker
             if n < max_tokens:  # stopped at EOS: only now is it known that the last token was the last
                 yield chunk("", "stop")

@@ -1,5 +1,5 @@
 """pdserve engine: configs, sampling params, requests, the engine core and the offline LLM API."""
-from engine.sampling_params import SamplingParams
+from engine.types import SamplingParams
 
 
 def __getattr__(name: str):

@@ -42,14 +42,15 @@ class ModelConfig:
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"model: {model_dir!r} has no config.json (expected a Hugging Face checkpoint directory)")
         cfg = json.loads(path.read_text())
         model_type = cfg.get("model_type", "")
         if model_type not in cls.SUPPORTED:
-            raise ValueError(f"model: architecture {model_type!r} is not supported (supported: {', '.join(cls.SUPPORTED)})")
+            raise ValueError(f"model: architecture {model_type!r} is not supported "
+                             f"(supported: {', '.join(cls.SUPPORTED)})")
         # transformers >= 5 nests rope settings under `rope_parameters`; older versions use
         # top-level `rope_theta` and `rope_scaling`. Accept both.
         rope_params = dict(cfg.get("rope_parameters") or {})
@@ -93,6 +94,22 @@ class ModelConfig:
         )
 
 
+def default_max_model_len(model_cfg: ModelConfig) -> int:
+    """The context length when none is given: the model's, at most 4096 (the KV cache is small)."""
+    return min(model_cfg.max_position_embeddings, 4096)
+
+
+@dataclass
+class KVTransferConfig:
+    """KV-port settings of a prefill or decode engine (the `--kv-*` flags)."""
+
+    addr: str = ""          # prefill: bind address of the KV port (default tcp://127.0.0.1:random)
+    advertise: str = ""     # prefill: the address decode instances dial (default: derived from addr)
+    key: str = ""           # shared key required on the KV port
+    lease_s: float = 30.0   # prefill: free held blocks after this long without the decode side
+    deadline_s: float = 60.0  # decode: give up a KV transfer after this long
+
+
 @dataclass
 class EngineConfig:
     """Engine arguments; names follow vLLM's where they exist."""
@@ -130,7 +147,7 @@ class EngineConfig:
             env = os.environ.get("PDSERVE_ENFORCE_EAGER")
             self.enforce_eager = env not in ("0", "false") if env is not None else not self.device.startswith("cuda")
         if self.max_model_len is None:
-            self.max_model_len = min(model_cfg.max_position_embeddings, 4096)
+            self.max_model_len = default_max_model_len(model_cfg)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

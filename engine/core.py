@@ -1,7 +1,9 @@
-"""The engine core of one process: scheduler + model runner, stepped in a loop.
+"""The engine core of one process: scheduler + model runner + KV connector, stepped in a loop.
 
-`step()` reads like the design: schedule -> execute -> update. Input validation lives in
-`add_request`, so bad input raises a ValueError before it can touch running requests.
+`receive_kv()` takes in the KV transfers that landed (PD), `step()` reads like the design:
+schedule -> execute -> update.
+Input validation lives in `add_request`, so bad input raises a ValueError before it can touch
+running requests.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.types import SamplingParams
+from engine.validation import check_prompt
+from kv_transfer.connector import KVConnector
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import RequestUpdate, Scheduler
 from worker.model_runner import ModelRunner
@@ -24,7 +28,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class EngineStats:
     num_running: int
-    num_waiting: int
+    num_waiting: int  # includes requests whose KV is still on its way (decode role)
     kv_blocks_free: int
     kv_blocks_total: int
     num_preemptions: int
@@ -42,37 +46,40 @@ class EngineCore:
         num_blocks = self.runner.num_kv_blocks
         if num_blocks * config.block_size < config.max_model_len:
             raise ValueError(f"num_kv_blocks: {num_blocks} blocks of {config.block_size} tokens cannot hold one "
-                             f"request of max_model_len={config.max_model_len}; raise num_kv_blocks or lower max_model_len")
+                             f"request of max_model_len={config.max_model_len}; "
+                             "raise num_kv_blocks or lower max_model_len")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.connector = KVConnector()  # colocated; an engine process may set its role's connector
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-                                   self.block_manager, config.num_lookahead_tokens)
+                                   self.block_manager, self.connector, config.num_lookahead_tokens)
         logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens", config.model, config.dtype,
                     config.device, num_blocks, config.block_size)
+
+    def set_kv_connector(self, connector: KVConnector) -> None:
+        """Before the first request: the connector of this engine's role."""
+        self.connector = self.scheduler.connector = connector
 
     # -- requests ------------------------------------------------------------------------
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) >= self.config.max_model_len:
-            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
-                             f"max_model_len={self.config.max_model_len}")
+        check_prompt(prompt_token_ids, self.model_config.vocab_size, self.config.max_model_len)
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, req_id: str | None = None) -> str:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, req_id: str | None = None,
+                    prefill_endpoint: str = "") -> str:
+        """Validate and queue; `prefill_endpoint` (decode role) is where the prompt's KV comes from."""
         self.validate_prompt(prompt_token_ids, params)
         req_id = req_id or uuid.uuid4().hex
         if req_id in self.scheduler.requests:
             raise ValueError(f"request_id {req_id!r} is already in use")
-        self.scheduler.add_request(Request(req_id, list(prompt_token_ids), params, self.model_config.eos_token_ids))
+        request = Request(req_id, list(prompt_token_ids), params, self.model_config.eos_token_ids)
+        self.connector.on_new_request(request, prefill_endpoint)
+        self.scheduler.add_request(request)
         return req_id
 
     def abort_request(self, req_id: str) -> bool:
+        self.connector.abort(req_id)
         return self.scheduler.abort_request(req_id)
 
     def has_unfinished(self) -> bool:
@@ -82,8 +89,18 @@ class EngineCore:
 
     def step(self) -> list[RequestUpdate]:
         sched = self.scheduler.schedule()
+        if sched.is_empty:  # an idle engine process steps too (to reserve KV): skip the runner then
+            return []
         result = self.runner.execute_model(sched)
         return self.scheduler.update_from_output(sched, result)
+
+    def receive_kv(self) -> list[RequestUpdate]:
+        """KV transfers that finished since the last call: loaded requests may run from the next
+        step, failed ones end (their updates). A no-op without a KV connector (colocated)."""
+        loaded, failed = self.connector.poll()
+        for item in loaded:
+            self.scheduler.kv_loaded(item.req_id, item.t0, item.num_tokens)
+        return [self.scheduler.kv_failed(item.req_id, item.reason) for item in failed]
 
     def stats(self) -> EngineStats:
         s = self.scheduler

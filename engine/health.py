@@ -62,7 +62,7 @@ class HealthServer:
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="health", daemon=True)
 
-    def start(self) -> "HealthServer":
+    def start(self) -> HealthServer:
         self.thread.start()
         logger.info("health endpoint on port %d", self.port)
         return self

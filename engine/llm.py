@@ -4,12 +4,11 @@ from __future__ import annotations
 import gc
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
-from scheduler.output import TokenLogprobs
+from engine.tokenizer import load_tokenizer
+from engine.types import FinishReason, SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -20,17 +19,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] | None = None
-
-
-def load_tokenizer(model_dir: str):
-    """The checkpoint's tokenizer, or None when the directory has none (test checkpoints)."""
-    path = Path(model_dir)
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 class LLM:

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.types import EngineRole, FinishReason, SamplingParams, TokenLogprobs
+
 
 class Submit(msgspec.Struct, tag=True):
     req_id: str
     prompt_token_ids: list[int]
-    params: dict                       # SamplingParams fields
+    params: SamplingParams             # validated again when decoded
     prefill_endpoint: str = ""         # decode role: where to pull the KV from
 
 
@@ -26,8 +28,8 @@ class Output(msgspec.Struct, tag=True):
     # Position of token_ids[0] among the request's outputs: t0 (from P) and D's tokens travel on
     # different sockets, so the front end restores their order with it.
     first_index: int = 0
-    logprobs: list[tuple[int, float, int, list[tuple[int, float]]]] = []  # (token, logprob, rank, top)
-    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
+    logprobs: list[TokenLogprobs] = []
+    finish_reason: FinishReason | None = None  # stop | length | abort | error (never handed_off)
     error: str | None = None
     retryable: bool = False            # error that a fresh prefill may fix (KV transfer failed)
     queue_time: float | None = None
@@ -35,13 +37,20 @@ class Output(msgspec.Struct, tag=True):
 
 class Heartbeat(msgspec.Struct, tag=True):
     instance: str
-    role: str
+    role: EngineRole
     kv_endpoint: str
     kv_blocks_free: int
     kv_blocks_total: int
     num_running: int
     num_waiting: int
-    counters: dict[str, float]
+    counters: dict[str, float]                          # monotonically increasing, by metric name
+    per_position: dict[str, list[float]] = {}           # counters with one value per draft position
+
+
+class _SubmitId(msgspec.Struct, tag="Submit"):
+    """Just the id of a Submit, to answer one whose body does not validate."""
+
+    req_id: str
 
 
 ToEngine = Submit | Abort | Shutdown
@@ -50,6 +59,7 @@ FromEngine = Output | Heartbeat
 _enc = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)
 _from_engine = msgspec.msgpack.Decoder(FromEngine)
+_submit_id = msgspec.msgpack.Decoder(_SubmitId)
 
 
 def encode(msg: ToEngine | FromEngine) -> bytes:
@@ -57,7 +67,16 @@ def encode(msg: ToEngine | FromEngine) -> bytes:
 
 
 def decode_to_engine(data: bytes) -> ToEngine:
+    """Raises msgspec.DecodeError / ValidationError on malformed input (bad sampling params too)."""
     return _to_engine.decode(data)
+
+
+def submit_id(data: bytes) -> str | None:
+    """The request id of a Submit that `decode_to_engine` refused, or None if it is not one."""
+    try:
+        return _submit_id.decode(data).req_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def decode_from_engine(data: bytes) -> FromEngine:

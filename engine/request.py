@@ -1,16 +1,16 @@
-"""The scheduler's view of one request."""
+"""The scheduler's view of one request. Plain data plus the stop check; imports only engine.types."""
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
-from scheduler.output import TokenLogprobs
+from engine.types import FinishReason, SamplingParams, TokenLogprobs
 
 
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
+class RequestStatus(enum.StrEnum):
+    WAITING = "waiting"                # waiting for a slot (and blocks)
+    WAITING_FOR_KV = "waiting_for_kv"  # decode role: blocks reserved, the prompt's KV is on its way from P
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -29,11 +29,14 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks computed so far
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    # Prefill role: stop after the first sampled token (t0) and keep the KV blocks for the transfer.
-    prefill_only: bool = False
     first_scheduled_time: float | None = None
+    # PD hand-off, set by the engine's KV connector when the request arrives:
+    # prefill role: stop after the first sampled token (t0) and hand the KV over to a decode instance.
+    remote_decode: bool = False
+    # decode role: the KV endpoint of the prefill instance the prompt's KV comes from, until it has come.
+    kv_source: str = ""
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -54,19 +57,19 @@ class Request:
         self.output_token_ids.append(token)
         self.all_token_ids.append(token)
 
-    def check_stop(self, max_model_len: int) -> str | None:
+    def check_stop(self, max_model_len: int) -> FinishReason | None:
         """Finish reason after the last appended token, or None to keep going.
 
-        "prefilled" ends a prefill-only request once t0 is sampled and nothing else stops it.
+        HANDED_OFF ends a prefill-role request once t0 is sampled and nothing else stops it.
         """
         params = self.sampling_params
         n = len(self.output_token_ids)
         last = self.output_token_ids[-1]
         if n >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
-                return "stop"
+                return FinishReason.STOP
             if last in params.stop_token_ids:
-                return "stop"
+                return FinishReason.STOP
         if n >= params.max_tokens or self.num_tokens >= max_model_len:
-            return "length"
-        return "prefilled" if self.prefill_only else None
+            return FinishReason.LENGTH
+        return FinishReason.HANDED_OFF if self.remote_decode else None

@@ -178,7 +178,8 @@ class KVReceiver:
                 or header.num_blocks > len(pull.block_ids) or len(frames) != num_layers * 2 * len(runs)
                 or min(runs, default=1) < 1):
             return (f"malformed KV transfer for {pull.req_id}: {len(frames)} frames of blocks {header.block_shape} "
-                    f"{header.dtype}, expected {num_layers} layers x K/V x {len(runs)} runs of {block_shape} {self.dtype_name}")
+                    f"{header.dtype}, expected {num_layers} layers x K/V x {len(runs)} runs of "
+                    f"{block_shape} {self.dtype_name}")
         block_bytes = cache.element_size() * cache[0, 0, 0].numel()
         if any(len(frames[i].buffer) != block_bytes * runs[i % len(runs)] for i in range(len(frames))):
             return f"truncated KV transfer for {pull.req_id}"

@@ -1,6 +1,7 @@
 """Prefill side (P): serve KV blocks to decode instances over a ROUTER socket.
 
-A finished prefill's blocks are *held* under a lease. D's KeepAlive renews it, D's KVAck or
+A finished prefill's blocks are *held* under a lease (this is the only record of them: the
+scheduler has forgotten the request). D's KeepAlive renews it, D's KVAck or
 Release frees the blocks, and an expired lease frees them too, so a dead D never leaks memory.
 """
 from __future__ import annotations
@@ -50,7 +51,7 @@ def consecutive_runs(block_ids: list[int]) -> list[tuple[int, int]]:
 
 class KVSender:
     def __init__(self, ctx: zmq.Context, bind_addr: str, kv_cache: torch.Tensor, compat_hash: str,
-                 description: str, name: str, release_blocks: Callable[[str], None], lease_s: float = 30.0,
+                 description: str, name: str, release_blocks: Callable[[str, list[int]], None], lease_s: float = 30.0,
                  key: str = "") -> None:
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -86,7 +87,7 @@ class KVSender:
         if requester is not None:
             self._send_msg(requester, m.KVError(req_id, reason))
         if held is not None:
-            self.release_blocks(req_id)
+            self.release_blocks(req_id, held.block_ids)
 
     def poll(self) -> None:
         """Handle every message waiting on the KV port, then expire leases."""
@@ -135,12 +136,10 @@ class KVSender:
                 if not held.sent or resend:
                     self._send(held)
         elif isinstance(msg, m.KVAck):
-            if self.held.pop(msg.req_id, None) is not None:
-                self.release_blocks(msg.req_id)
+            self._release(msg.req_id)
         elif isinstance(msg, m.Release):
             self.pulls.pop(msg.req_id, None)
-            if self.held.pop(msg.req_id, None) is not None:
-                self.release_blocks(msg.req_id)
+            self._release(msg.req_id)
         elif isinstance(msg, m.KeepAlive):
             for req_id in msg.req_ids:
                 if req_id in self.held:
@@ -187,6 +186,11 @@ class KVSender:
         self.stats.transfers_sent += 1
         self.stats.bytes_sent += sum(f.nbytes for f in frames)
 
+    def _release(self, req_id: str) -> None:
+        held = self.held.pop(req_id, None)
+        if held is not None:
+            self.release_blocks(req_id, held.block_ids)
+
     def _send_msg(self, identity: bytes, msg: m.Message) -> None:
         try:
             self.socket.send_multipart([identity, m.encode(msg)], zmq.NOBLOCK)
@@ -198,8 +202,9 @@ class KVSender:
         for req_id in [r for r, h in self.held.items() if h.deadline < now]:
             held = self.held.pop(req_id)
             self.stats.leases_expired += 1
-            logger.warning("KV lease of %s expired (decode peer silent): freeing %d blocks", req_id, len(held.block_ids))
-            self.release_blocks(req_id)
+            logger.warning("KV lease of %s expired (decode peer silent): freeing %d blocks", req_id,
+                           len(held.block_ids))
+            self.release_blocks(req_id, held.block_ids)
         for req_id in [r for r, p in self.pulls.items() if p.deadline < now]:
             del self.pulls[req_id]
 

@@ -7,16 +7,23 @@ it is reused, so later requests can still hit it; free blocks are reused least r
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from engine.request import Request
+from engine.request import Request
 
 
 def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    # Python's hash of a tuple of ints is deterministic across processes (no str hashing involved).
-    return hash((parent, tokens))
+    """64-bit hash of a block's tokens chained to its parent block's hash.
+
+    The same in every process and Python version (Python's own `hash` of a tuple holding None is
+    not, before 3.12), so a hash can name a block's content across instances. blake2b is in the
+    standard library and fast enough for one block of ids at a time."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"root" if parent is None else parent.to_bytes(8, "little"))
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
 
 
 class BlockManager:
@@ -40,7 +47,7 @@ class BlockManager:
 
     # -- prefix cache ----------------------------------------------------------------------
 
-    def find_cached_prefix(self, request: "Request") -> list[int]:
+    def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks holding a cached prefix of the request (full blocks only).
 
         At least one token is always left to compute, so the request still produces logits.
@@ -61,7 +68,7 @@ class BlockManager:
             parent = h
         return hits
 
-    def cache_full_blocks(self, request: "Request") -> None:
+    def cache_full_blocks(self, request: Request) -> None:
         """Register every block whose tokens are now all computed, so others can reuse it."""
         if not self.enable_prefix_caching:
             return
@@ -80,7 +87,8 @@ class BlockManager:
 
     # -- allocation ------------------------------------------------------------------------
 
-    def allocate(self, request: "Request", num_new_tokens: int, cached_blocks: list[int] | None = None) -> list[int] | None:
+    def allocate(self, request: Request, num_new_tokens: int,
+                 cached_blocks: list[int] | None = None) -> list[int] | None:
         """Give `request` blocks for num_computed + num_new_tokens tokens.
 
         `cached_blocks` (on admission) are prefix-cache hits that become the request's first
@@ -113,12 +121,15 @@ class BlockManager:
         self.ref_count[block] = 1
         return block
 
-    def free_request(self, request: "Request") -> None:
+    def free_request(self, request: Request) -> None:
+        self.free_blocks(request.block_ids)
+        request.block_ids = []
+        request.block_hashes = []
+
+    def free_blocks(self, block_ids: list[int]) -> None:
         # Tail blocks first: they are the least likely to be shared, so evict them first.
-        for b in reversed(request.block_ids):
+        for b in reversed(block_ids):
             self.ref_count[b] -= 1
             assert self.ref_count[b] >= 0, f"block {b} freed twice"
             if self.ref_count[b] == 0:
                 self.free[b] = None
-        request.block_ids = []
-        request.block_hashes = []

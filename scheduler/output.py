@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from engine.types import SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -41,15 +41,10 @@ class SchedulerOutput:
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs of one generated token: its own, its rank, and the top-n alternatives."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the runner: no tokens to compute and no slot to free."""
+        return not (self.num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids)
 
 
 @dataclass

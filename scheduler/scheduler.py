@@ -1,9 +1,14 @@
 """Continuous-batching scheduler: token budget, chunked prefill, prefix cache, preemption by recompute.
 
-`schedule()` first serves running requests (decodes and unfinished prefills) in arrival order,
-preempting the newest running request whenever blocks run out, then admits waiting requests
-while budget, slots and blocks last. `update_from_output()` applies a step's results: it is the
-only place `num_computed_tokens` changes (I4), including taking back rejected drafts.
+`schedule()` first reserves blocks for requests whose KV comes from a prefill instance (decode
+role; they wait as WAITING_FOR_KV until the KV connector reports it landed), then serves running
+requests (decodes and unfinished prefills) in arrival order, preempting the newest running
+request whenever blocks run out, then admits waiting requests while budget, slots and blocks
+last. `update_from_output()` applies a step's results: it is the only place
+`num_computed_tokens` changes (I4), including taking back rejected drafts.
+
+The KV connector (kv_transfer/connector.py) is told when a reservation is made and when a
+request finishes; a prefill engine's connector keeps a handed-off request's blocks from there.
 """
 from __future__ import annotations
 
@@ -11,10 +16,15 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.request import Request, RequestStatus
+from engine.types import FinishReason, TokenLogprobs
 from scheduler.block_manager import BlockManager
-from scheduler.output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput, TokenLogprobs
+from scheduler.output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from kv_transfer.connector import KVConnector
 
 logger = logging.getLogger(__name__)
 
@@ -50,20 +60,23 @@ class RequestUpdate:
     req_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs]
-    finish_reason: str | None
+    finish_reason: FinishReason | None  # never HANDED_OFF: for the client that request goes on
     first_index: int = 0               # position of new_token_ids[0] among the request's outputs
     queue_time: float | None = None    # set on the first update: arrival -> first scheduled
+    error: str | None = None
+    retryable: bool = False            # an error a fresh prefill may fix (the KV transfer failed)
 
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_manager: BlockManager, num_lookahead_tokens: int = 0) -> None:
+                 block_manager: BlockManager, connector: KVConnector, num_lookahead_tokens: int = 0) -> None:
         self.max_num_seqs = max_num_seqs
         # Speculative decoding writes draft KV this far past the scheduled tokens: reserve blocks for it.
         self.num_lookahead_tokens = num_lookahead_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.blocks = block_manager
+        self.connector = connector
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -71,8 +84,6 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
-        # Prefill role: finished requests whose blocks wait for the KV transfer (released on ack/lease expiry).
-        self.held: dict[str, Request] = {}
 
     # -- queue management ------------------------------------------------------------------
 
@@ -80,40 +91,65 @@ class Scheduler:
         self.requests[request.req_id] = request
         self.waiting.append(request)
 
-    def add_prefilled_request(self, request: Request) -> None:
-        """Decode role: a request whose KV arrived from prefill into blocks it already holds.
-
-        It goes to the front of the queue: it holds memory, so running it soonest frees it soonest.
-        """
-        self.requests[request.req_id] = request
-        self.waiting.appendleft(request)
-
-    def release_held(self, req_id: str) -> bool:
-        request = self.held.pop(req_id, None)
-        if request is None:
-            return False
-        self.blocks.free_request(request)
-        return True
-
     def abort_request(self, req_id: str) -> bool:
-        if self.release_held(req_id):
-            return True
-        request = self.requests.get(req_id)
+        request = self.requests.pop(req_id, None)  # forgotten at once: the id may come back (a retry)
         if request is None or request.is_finished:
             return False
-        self._finish(request, "abort")
+        self._finish(request, FinishReason.ABORT)
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Work for the next step: running requests, or waiting ones that need no KV from elsewhere."""
+        return bool(self.running) or any(not r.kv_source for r in self.waiting)
+
+    # -- KV from a prefill instance (decode role) ------------------------------------------
+
+    def kv_loaded(self, req_id: str, t0: int, num_tokens: int) -> None:
+        """The prompt's KV is in the request's reserved blocks: the handoff (DESIGN.md §1 step 5),
+        prompt + [t0] with everything but t0 computed."""
+        request = self.requests.get(req_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_KV:
+            return
+        request.append_output(t0)
+        request.num_computed_tokens = num_tokens
+        request.kv_source = ""
+        request.status = RequestStatus.WAITING
+        # To the front of the queue: it holds memory, so running it soonest frees it soonest.
+        self.waiting.remove(request)
+        self.waiting.appendleft(request)
+
+    def kv_failed(self, req_id: str, reason: str) -> RequestUpdate:
+        request = self.requests.pop(req_id, None)
+        if request is not None and not request.is_finished:
+            self._finish(request, FinishReason.ERROR)
+        return RequestUpdate(req_id, [], [], FinishReason.ERROR, error=reason, retryable=True)
+
+    def _reserve_remote_kv(self) -> None:
+        """Reserve blocks for the prompt + t0 (+ lookahead) of requests whose KV comes from a
+        prefill instance, oldest first, and have the connector pull it. A preempted request
+        (waiting without blocks) goes first, or new reservations would starve it."""
+        if any(not r.block_ids and not r.kv_source for r in self.waiting):
+            return
+        for request in self.waiting:
+            if not request.kv_source or request.status == RequestStatus.WAITING_FOR_KV:
+                continue
+            if self.blocks.allocate(request, request.prompt_len + 1 + self.num_lookahead_tokens) is None:
+                return
+            request.status = RequestStatus.WAITING_FOR_KV
+            self.connector.start_load(request)
 
     # -- one step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
-        budget = self.max_num_batched_tokens
+        self._reserve_remote_kv()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        self._admit_waiting(out, budget)
+        return out
 
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running requests in arrival order; returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -137,15 +173,18 @@ class Scheduler:
                 out.num_draft_tokens[request.req_id] = num_drafts
             budget -= num_new
             i += 1
+        return budget
 
-        # Admit waiting requests in order, unless memory was just short (they would only be
-        # preempted). When one does not fit, only requests that already hold their blocks (PD
-        # handoffs) may still go ahead: they need little more, and waiting on them could deadlock.
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order, unless memory was just short (they would only be
+        preempted). When one does not fit, only requests that already hold their blocks (PD
+        handoffs) may still go ahead: they need little more, and waiting on them could deadlock.
+        Requests still waiting for their KV are passed over."""
         blocked = False
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs or out.preempted_req_ids:
                 break
-            if blocked and not request.block_ids:
+            if request.kv_source or (blocked and not request.block_ids):
                 continue
             cached = self.blocks.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             num_computed = request.num_computed_tokens + len(cached) * self.blocks.block_size
@@ -165,7 +204,6 @@ class Scheduler:
                 sampling_params=request.sampling_params))
             out.num_scheduled_tokens[request.req_id] = num_new
             budget -= num_new
-        return out
 
     def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []
@@ -173,42 +211,54 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
-            sampled = result.sampled_token_ids[idx]
-            request.num_computed_tokens += sched.num_scheduled_tokens[req_id]
-            if sampled:
-                # Verified 1 + k positions, kept len(sampled) tokens: the KV of the rejected
-                # drafts is garbage and must be recomputed (I4: only the scheduler adjusts this).
-                num_drafts = sched.num_draft_tokens.get(req_id, 0)
-                request.num_computed_tokens -= num_drafts + 1 - len(sampled)
-                if num_drafts:
-                    self.spec_stats.record(num_drafts, len(sampled) - 1)
+            self._account(request, sched, result.sampled_token_ids[idx])
             request.spec_token_ids = list(result.draft_token_ids[idx]) if result.draft_token_ids else []
             self.blocks.cache_full_blocks(request)
-
-            new_tokens: list[int] = []
-            logprobs = result.logprobs[idx] if result.logprobs else []
-            finish = None
-            for token in sampled:
-                request.append_output(token)
-                new_tokens.append(token)
-                finish = request.check_stop(self.max_model_len)
-                if finish:  # tokens after a stop are discarded, never streamed
-                    break
-            request.output_logprobs.extend(logprobs[: len(new_tokens)])
-            if finish:
-                self._finish(request, finish)
-            if new_tokens or finish:
-                first = len(request.output_token_ids) - len(new_tokens)
-                queue_time = None
-                if first == 0 and request.first_scheduled_time is not None:
-                    queue_time = request.first_scheduled_time - request.arrival_time
-                updates.append(RequestUpdate(req_id, new_tokens, logprobs[: len(new_tokens)], finish, first, queue_time))
+            update = self._append_tokens(request, result.sampled_token_ids[idx],
+                                         result.logprobs[idx] if result.logprobs else [])
+            if update is not None:
+                updates.append(update)
         for req_id in list(self.requests):
             if self.requests[req_id].is_finished:
                 del self.requests[req_id]
         return updates
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _account(self, request: Request, sched: SchedulerOutput, sampled: list[int]) -> None:
+        """num_computed_tokens after a step (I4: only the scheduler changes it)."""
+        req_id = request.req_id
+        request.num_computed_tokens += sched.num_scheduled_tokens[req_id]
+        if sampled:
+            # Verified 1 + k positions, kept len(sampled) tokens: the KV of the rejected
+            # drafts is garbage and must be recomputed.
+            num_drafts = sched.num_draft_tokens.get(req_id, 0)
+            request.num_computed_tokens -= num_drafts + 1 - len(sampled)
+            if num_drafts:
+                self.spec_stats.record(num_drafts, len(sampled) - 1)
+
+    def _append_tokens(self, request: Request, sampled: list[int],
+                       logprobs: list[TokenLogprobs]) -> RequestUpdate | None:
+        """Append a step's tokens up to the first stop; the update to send, if any."""
+        new_tokens: list[int] = []
+        finish = None
+        for token in sampled:
+            request.append_output(token)
+            new_tokens.append(token)
+            finish = request.check_stop(self.max_model_len)
+            if finish:  # tokens after a stop are discarded, never streamed
+                break
+        request.output_logprobs.extend(logprobs[: len(new_tokens)])
+        if finish:
+            self._finish(request, finish)
+        if not (new_tokens or finish):
+            return None
+        first = len(request.output_token_ids) - len(new_tokens)
+        queue_time = None
+        if first == 0 and request.first_scheduled_time is not None:
+            queue_time = request.first_scheduled_time - request.arrival_time
+        reason = None if finish == FinishReason.HANDED_OFF else finish
+        return RequestUpdate(request.req_id, new_tokens, logprobs[: len(new_tokens)], reason, first, queue_time)
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free_request(request)
@@ -219,7 +269,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _finish(self, request: Request, reason: str) -> None:
+    def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         if request in self.running:
@@ -227,7 +277,7 @@ class Scheduler:
             self._finished_ids.add(request.req_id)
         elif request in self.waiting:
             self.waiting.remove(request)
-        if reason == "prefilled":
-            self.held[request.req_id] = request  # blocks stay until the transfer is acked
+        if self.connector.request_finished(request):
+            request.block_ids = []  # the connector owns them now (prefill: until the transfer is acked)
         else:
             self.blocks.free_request(request)

@@ -230,7 +230,8 @@ def chat_conversations(train_docs: list[Document]) -> list[list[dict[str, str]]]
 # `tokenizers` on tokenizer.json, AutoTokenizer and older transformers then all
 # produce identical ids.
 QWEN2_SPLIT_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 
@@ -416,7 +417,7 @@ def mtp_draft_incremental(mtp: MTPLayer, embed: nn.Embedding, lm_head: nn.Linear
     cos, sin = rotary(x, pos[None])
     _, k_cache, v_cache = mtp.qkv(x, cos, sin)
     drafts, logits_list = [], []
-    g_prev, x_last = None, None
+    g_prev = None
     for s in range(1, k_drafts + 1):
         if s == 1:
             x_q = x[:, i: i + 1]
@@ -865,7 +866,8 @@ def write_card(out: Path, info: dict) -> None:
         "  docstrings of public top-level functions/classes, answered with that text (half with a system",
         "  prompt), so the model has seen the turn structure and the `<|im_end|>` that closes an answer",
         "  (it sometimes stops there; greedy answers often loop until `max_tokens`).",
-        f"* Split by file: a file/topic is held out when `int(sha256(relpath)[:8], 16) % 1000 < {info['heldout_permille']}`",
+        "* Split by file: a file/topic is held out when "
+        f"`int(sha256(relpath)[:8], 16) % 1000 < {info['heldout_permille']}`",
         f"  ({info['n_heldout_docs']} of {info['n_docs']} documents held out). Training stream:",
         f"  {info['train_tokens']:,} tokens ({info['n_chats']:,} chats included); held-out stream:",
         f"  {info['heldout_tokens']:,} tokens. Documents are separated by `<|endoftext|>`.",
@@ -873,8 +875,8 @@ def write_card(out: Path, info: dict) -> None:
         "## Tokenizer",
         "",
         f"Byte-level BPE (`tokenizers`), vocabulary {cfg['vocab_size']}, trained on the training split.",
-        "Special tokens: `<|endoftext|>` (id {eot}, eos/pad), `<|im_start|>` (id {ims}), `<|im_end|>` (id {ime}).".format(
-            eot=info["eot_id"], ims=info["im_start_id"], ime=info["im_end_id"]),
+        f"Special tokens: `<|endoftext|>` (id {info['eot_id']}, eos/pad), `<|im_start|>` (id {info['im_start_id']}), "
+        f"`<|im_end|>` (id {info['im_end_id']}).",
         "`tokenizer_config.json` holds a ChatML `chat_template`",
         "(`<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, `add_generation_prompt` opens",
         "`<|im_start|>assistant\\n`, no default system prompt). `generation_config.json` stops on",
@@ -928,14 +930,18 @@ def write_card(out: Path, info: dict) -> None:
         "",
         "## Evaluation (held-out files, weights reloaded from this folder in fp32)",
         "",
-        f"Per-token cross-entropy over {ppl['tokens']:,} held-out tokens (non-overlapping {info['args']['seq_len']}-token",
+        f"Per-token cross-entropy over {ppl['tokens']:,} held-out tokens "
+        f"(non-overlapping {info['args']['seq_len']}-token",
         "windows, every position scored):",
         "",
         "| | CE (nats/token) | perplexity | top-1 |",
         "|---|---|---|---|",
-        f"| unigram baseline (train-split frequencies, add-one smoothing) | {ppl['unigram_loss']:.3f} | {ppl['unigram_ppl']:.1f} | |",
-        f"| **pdserve-tiny** (next token x_{{i+1}}) | **{ppl['loss']:.3f}** | **{ppl['ppl']:.2f}** | {ppl['top1']:.1%} |",
-        f"| MTP layer, teacher-forced (token after next, x_{{i+2}}) | {ppl['mtp_loss']:.3f} | {ppl['mtp_ppl']:.2f} | {ppl['mtp_top1']:.1%} |",
+        "| unigram baseline (train-split frequencies, add-one smoothing) | "
+        f"{ppl['unigram_loss']:.3f} | {ppl['unigram_ppl']:.1f} | |",
+        "| **pdserve-tiny** (next token x_{i+1}) | "
+        f"**{ppl['loss']:.3f}** | **{ppl['ppl']:.2f}** | {ppl['top1']:.1%} |",
+        "| MTP layer, teacher-forced (token after next, x_{i+2}) | "
+        f"{ppl['mtp_loss']:.3f} | {ppl['mtp_ppl']:.2f} | {ppl['mtp_top1']:.1%} |",
         "",
         "### MTP acceptance",
         "",
@@ -946,7 +952,8 @@ def write_card(out: Path, info: dict) -> None:
         f"draft is compared with the token the target actually produced there ({acc['positions']:,} positions).",
         "Greedy verification accepts the longest correct prefix of the drafts.",
         "",
-        "| draft position k | cumulative: P(d_1..d_k all accepted) | conditional: P(d_k accepted \\| d_1..d_{k-1} accepted) |",
+        "| draft position k | cumulative: P(d_1..d_k all accepted) "
+        "| conditional: P(d_k accepted \\| d_1..d_{k-1} accepted) |",
         "|---|---|---|",
     ]
     for k in range(len(acc["cumulative"])):
@@ -991,7 +998,7 @@ def write_card(out: Path, info: dict) -> None:
         "  drafts 2..k). Those speculative entries are overwritten once the target has verified the",
         "  tokens. `scripts/train_tiny_model.py::mtp_draft_incremental` is a step-by-step reference.",
         "",
-        f"Self-check at build time: MTP block vs transformers' `Qwen2DecoderLayer` with the same weights, max",
+        "Self-check at build time: MTP block vs transformers' `Qwen2DecoderLayer` with the same weights, max",
         f"|diff| {info['self_check']['block_vs_transformers_max_abs']:.1e}; step-by-step drafting vs the masked",
         f"teacher-forced passes, max logit |diff| {info['self_check']['incremental_vs_masked_max_logit_abs']:.1e}",
         f"over {info['self_check']['compared_drafts']} drafts; look-ahead check (change token x_m, m ="

@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.config import EngineConfig, ModelConfig, default_model
+from engine.config import EngineConfig, ModelConfig, default_max_model_len, default_model
+from engine.types import EngineRole, ServeMode
 
 logger = logging.getLogger("pdserve")
 
@@ -59,19 +60,20 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         add_flag(p, flag, typ, default, help_)
     env = os.environ.get("PDSERVE_ENABLE_PREFIX_CACHING")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=(env not in ("0", "false")) if env is not None else True, help="[PDSERVE_ENABLE_PREFIX_CACHING]")
+                   default=(env not in ("0", "false")) if env is not None else True,
+                   help="[PDSERVE_ENABLE_PREFIX_CACHING]")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="run the model eagerly instead of compiling it with torch.compile (default: eager on CPU, "
                         "compiled on CUDA) [PDSERVE_ENFORCE_EAGER]")
 
 
-def engine_config(args: argparse.Namespace, role: str = "colocated") -> EngineConfig:
+def engine_config(args: argparse.Namespace, role: str = EngineRole.COLOCATED) -> EngineConfig:
     model = args.model or default_model()
     method = args.speculative_method
     if method == "auto":
         method = "mtp" if ModelConfig.from_dir(model).num_mtp_layers > 0 else None
     num_spec = args.num_speculative_tokens
-    if role == "prefill" and method:
+    if role == EngineRole.PREFILL and method:
         # P only needs the MTP layer's KV for the hand-off, not drafts; keep the same KV layout.
         method, num_spec = ("mtp", 1) if method == "mtp" else (None, num_spec)
     return EngineConfig(model=model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -118,13 +120,13 @@ def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str) -> None:
 
     import uvicorn
 
-    from engine.llm import load_tokenizer
+    from engine.tokenizer import load_tokenizer
     from server.app import build_app
     from server.pd_client import RemoteEngineClient
 
     model = args.model or default_model()
     model_cfg = ModelConfig.from_dir(model)
-    max_model_len = args.max_model_len or min(model_cfg.max_position_embeddings, 4096)
+    max_model_len = args.max_model_len or default_max_model_len(model_cfg)
     client = RemoteEngineClient(bind_addr, mode, max_model_len, model_cfg.vocab_size, model_cfg.eos_token_ids,
                                 dead_after_s=args.dead_after_s)
     app = build_app(client, load_tokenizer(model), args.served_model_name or Path(model).name,
@@ -141,7 +143,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     """Front end + engine children on one host, talking over ipc:// sockets in a private folder."""
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
     server_addr = f"ipc://{run_dir}/frontend"
-    roles = [("colocated", 1)] if args.mode == "colocated" else [("prefill", args.num_prefill), ("decode", args.num_decode)]
+    colocated = args.mode == ServeMode.COLOCATED
+    roles = ([(EngineRole.COLOCATED, 1)] if colocated
+             else [(EngineRole.PREFILL, args.num_prefill), (EngineRole.DECODE, args.num_decode)])
     threads = args.num_threads or max(1, (os.cpu_count() or 2) // sum(n for _, n in roles))
     children: list[subprocess.Popen] = []
     # Engine health ports are for engines deployed one per container; here every child would
@@ -152,7 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             name = f"{role}-{i}"
             argv = [sys.executable, "-m", "server.cli", role, "--name", name, "--server-addr", server_addr,
                     *engine_argv(args), "--num-threads", str(threads)]
-            if role == "prefill":
+            if role == EngineRole.PREFILL:
                 argv += ["--kv-addr", f"ipc://{run_dir}/{name}-kv"]
             if args.kv_key:
                 argv += ["--kv-key", args.kv_key]
@@ -175,7 +179,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
           f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, \"temperature\": 0}}'", flush=True)
     try:
-        run_front_end(args, server_addr, "colocated" if args.mode == "colocated" else "pd")
+        run_front_end(args, server_addr, ServeMode.COLOCATED if colocated else ServeMode.PD)
     except KeyboardInterrupt:
         pass
     finally:
@@ -193,15 +197,20 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from benchmarks.bench_serving import benchmark
+    """`pdserve bench ARGS`: the load generator of benchmarks/bench_serving.py with ARGS.
 
-    result = benchmark(args)
+    It is a client of the server, not a part of it, so it is looked up by name when this command
+    runs (server/ never imports benchmarks/); `pdserve bench --help` lists its flags."""
+    import importlib
+
+    result = importlib.import_module("benchmarks.bench_serving").main(args.bench_args)
     if result["failed"]:
         sys.exit(1)  # scripts and CI notice failed requests without parsing the report
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def front_end_flags(p: argparse.ArgumentParser) -> None:
@@ -214,13 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="front end + engines on this host")
     add_engine_flags(serve)
     front_end_flags(serve)
-    add_flag(serve, "--mode", str, "pd", "pd | colocated")
+    add_flag(serve, "--mode", ServeMode, ServeMode.PD, "pd | colocated")
     add_flag(serve, "--num-prefill", int, 1, "prefill engine processes")
     add_flag(serve, "--num-decode", int, 1, "decode engine processes")
     add_flag(serve, "--kv-key", str, "", "shared key required on the KV port")
     serve.set_defaults(func=cmd_serve)
 
-    for role in ("prefill", "decode", "colocated"):
+    for role in (EngineRole.PREFILL, EngineRole.DECODE, EngineRole.COLOCATED):
         p = sub.add_parser(role, help=f"one {role} engine process")
         add_engine_flags(p)
         add_flag(p, "--name", str, None, f"unique instance name (default {role}-HOSTNAME)")
@@ -237,15 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(server)
     front_end_flags(server)
     add_flag(server, "--bind-addr", str, "tcp://127.0.0.1:5500", "bind: the socket engines connect to")
-    add_flag(server, "--mode", str, "pd", "pd | colocated: which engine roles must be present")
+    add_flag(server, "--mode", ServeMode, ServeMode.PD, "pd | colocated: which engine roles must be present")
     server.set_defaults(func=cmd_server)
 
-    from benchmarks.bench_serving import add_cli_args as add_bench_flags
-
     bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server (vLLM `bench serve` metrics)",
-                           description="Flags read PDSERVE_BENCH_<FLAG> from the environment.")
-    add_bench_flags(bench)
-    bench.set_defaults(func=cmd_bench)
+                           description="Flags read PDSERVE_BENCH_<FLAG> from the environment.", add_help=False)
+    bench.set_defaults(func=cmd_bench)  # its flags are benchmarks/bench_serving.py's: see parse_args
 
     gen = sub.add_parser("generate", help="offline generation, no server")
     add_engine_flags(gen)
@@ -256,13 +262,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Every command's flags; `bench` passes whatever follows it on to the load generator."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.bench_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
     # Engines share a few cores with the front end (and each other): OpenMP threads that spin at
     # every barrier starve the other processes and stall whole steps (heartbeats included).
     # Must be set before torch starts OpenMP, i.e. before anything imports torch.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.func(args)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.types import EngineRole, FinishReason, SamplingParams
 from server.protocol import GenerationChunk, InstanceInfo
 
 logger = logging.getLogger(__name__)
@@ -102,9 +102,10 @@ class LocalEngineClient:
                 raise ValueError(f"request_id {request_id!r} is already in use")
         return self._stream(request_id, list(prompt_token_ids), params)
 
-    async def _stream(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+    async def _stream(self, request_id: str, prompt: list[int],
+                      params: SamplingParams) -> AsyncIterator[GenerationChunk]:
         if not self.is_ready():
-            yield GenerationChunk([], finish_reason="error", error=self._dead or "engine is not running")
+            yield GenerationChunk([], finish_reason=FinishReason.ERROR, error=self._dead or "engine is not running")
             return
         with self._lock:
             if request_id in self._active:
@@ -146,7 +147,7 @@ class LocalEngineClient:
             self._dead = f"engine failed: {type(exc).__name__}: {exc}"
             self._fail_all(self._dead)
         else:
-            self._fail_all("engine stopped", reason="abort")
+            self._fail_all("engine stopped", reason=FinishReason.ABORT)
         self._snapshot = self._make_snapshot()
         # Requests submitted after the loop ended must still see an ending.
         while True:
@@ -155,7 +156,8 @@ class LocalEngineClient:
             except queue.Empty:
                 break
             if cmd[0] == "add":
-                self._post(cmd[4], GenerationChunk([], finish_reason="error", error=self._dead or "engine stopped"))
+                self._post(cmd[4], GenerationChunk([], finish_reason=FinishReason.ERROR,
+                                                   error=self._dead or "engine stopped"))
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued commands; False when asked to stop."""
@@ -179,7 +181,7 @@ class LocalEngineClient:
         try:
             self.core.add_request(prompt, params, request_id)
         except ValueError as exc:
-            self._post(sink, GenerationChunk([], finish_reason="error", error=str(exc)))
+            self._post(sink, GenerationChunk([], finish_reason=FinishReason.ERROR, error=str(exc)))
             return
         self._sinks[request_id] = sink
 
@@ -189,7 +191,7 @@ class LocalEngineClient:
             return
         self.core.abort_request(request_id)
         if notify:
-            self._post(sink, GenerationChunk([], finish_reason="abort", queue_time=sink.queue_time))
+            self._post(sink, GenerationChunk([], finish_reason=FinishReason.ABORT, queue_time=sink.queue_time))
 
     def _dispatch(self, updates, step_start: float) -> None:
         # Queue time: submission until the first step that scheduled the request.
@@ -225,13 +227,14 @@ class LocalEngineClient:
                     if sink.queue is q:
                         self._abort(req_id, notify=False)
 
-    def _fail_all(self, message: str, reason: str = "error") -> None:
+    def _fail_all(self, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
         for req_id, sink in list(self._sinks.items()):
             try:
                 self.core.abort_request(req_id)
             except Exception:  # the core may be broken; the streams still get their ending
                 pass
-            self._post(sink, GenerationChunk([], finish_reason=reason, error=message if reason == "error" else None))
+            self._post(sink, GenerationChunk([], finish_reason=reason,
+                                             error=message if reason == FinishReason.ERROR else None))
         self._sinks.clear()
 
     def _make_snapshot(self) -> InstanceInfo:
@@ -240,6 +243,7 @@ class LocalEngineClient:
         hits = getattr(self.core.block_manager, "num_hit_blocks", None)
         if hits is not None:
             counters["prefix_cache_hit_blocks"] = float(hits)
-        return InstanceInfo(name=INSTANCE_NAME, role="colocated", ready=self.is_ready() if self._thread else False,
+        ready = self.is_ready() if self._thread else False
+        return InstanceInfo(name=INSTANCE_NAME, role=EngineRole.COLOCATED, ready=ready,
                             kv_blocks_free=s.kv_blocks_free, kv_blocks_total=s.kv_blocks_total,
                             num_running=s.num_running, num_waiting=s.num_waiting, counters=counters)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine.types import FinishReason
 from server.protocol import InstanceInfo
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class _InstanceCollector:
             "kv_blocks_free": ("Free KV cache blocks.", lambda i: i.kv_blocks_free),
             "kv_blocks_total": ("KV cache blocks in total.", lambda i: i.kv_blocks_total),
             "kv_cache_usage_perc": ("KV cache usage; 1 means 100 percent.",
-                                    lambda i: (1.0 - i.kv_blocks_free / i.kv_blocks_total) if i.kv_blocks_total else 0.0),
+                                    lambda i: 1.0 - i.kv_blocks_free / i.kv_blocks_total if i.kv_blocks_total else 0.0),
             "instance_ready": ("1 when the instance is ready to serve.", lambda i: 1.0 if i.ready else 0.0),
         }
         for key, (doc, value) in gauges.items():
@@ -64,18 +65,26 @@ class _InstanceCollector:
             for info in infos:
                 family.add_metric([info.name, info.role], float(value(info)))
             yield family
-        counters: dict[str, CounterMetricFamily] = {}
-        for info in infos:
-            for key, val in (info.counters or {}).items():
-                # "name{label=value}" carries one extra label (e.g. the draft position).
-                m = re.fullmatch(r"([^{]+)\{(\w+)=([^}]*)\}", key)
-                base, extra = (m.group(1), {m.group(2): m.group(3)}) if m else (key, {})
-                name = metric_name(base)
-                if name not in counters:
-                    counters[name] = CounterMetricFamily(name, f"Engine counter {base}.",
-                                                         labels=["instance", "role", *extra])
-                counters[name].add_metric([info.name, info.role, *extra.values()], float(val))
-        yield from counters.values()
+        yield from _engine_counters(infos)
+
+
+def _engine_counters(infos: list[InstanceInfo]) -> list[CounterMetricFamily]:
+    """One family per engine counter; per-position counters get a `position` label."""
+    families: dict[str, CounterMetricFamily] = {}
+
+    def family(key: str, labels: list[str]) -> CounterMetricFamily:
+        name = metric_name(key)
+        if name not in families:
+            families[name] = CounterMetricFamily(name, f"Engine counter {key}.", labels=labels)
+        return families[name]
+
+    for info in infos:
+        for key, val in (info.counters or {}).items():
+            family(key, ["instance", "role"]).add_metric([info.name, info.role], float(val))
+        for key, values in (info.per_position or {}).items():
+            for pos, val in enumerate(values):
+                family(key, ["instance", "role", "position"]).add_metric([info.name, info.role, str(pos)], float(val))
+    return list(families.values())
 
 
 class ServerMetrics:
@@ -88,8 +97,8 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Request latency, arrival to finish.",
                              buckets=_E2E_BUCKETS, registry=r)
-        self.queue_time = Histogram("pdserve:request_queue_time_seconds", "Time a request waited before it was scheduled.",
-                                    buckets=_E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("pdserve:request_queue_time_seconds",
+                                    "Time a request waited before it was scheduled.", buckets=_E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated.", registry=r)
         self.request_success = Counter("pdserve:request_success", "Finished requests, by finish reason.",
@@ -97,7 +106,7 @@ class ServerMetrics:
         self.request_errors = Counter("pdserve:request_errors", "Requests that failed inside the engine.", registry=r)
         self.http_rejected = Counter("pdserve:http_requests_rejected", "HTTP requests refused, by status code.",
                                      ["status"], registry=r)
-        for reason in ("stop", "length", "abort"):
+        for reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):
             self.request_success.labels(finished_reason=reason)
         r.register(_InstanceCollector(instances))
 

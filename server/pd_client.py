@@ -12,15 +12,15 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from engine import messages as msg
-from engine.sampling_params import SamplingParams
-from scheduler.output import TokenLogprobs
+from engine.types import EngineRole, FinishReason, SamplingParams, ServeMode
+from engine.validation import check_prompt
 from server.protocol import EngineUnavailableError, GenerationChunk, InstanceInfo
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Instance:
     name: str
-    role: str          # "prefill" | "decode" | "colocated"
+    role: EngineRole
     heartbeat: msg.Heartbeat | None = None
     last_seen: float = 0.0
     outstanding: set[str] = field(default_factory=set)
@@ -42,7 +42,7 @@ class Instance:
 class Tracked:
     req_id: str
     prompt: list[int]
-    params: dict
+    params: SamplingParams
     queue: asyncio.Queue
     prefill: str | None = None
     decode: str | None = None
@@ -54,10 +54,10 @@ class Tracked:
 
 
 class RemoteEngineClient:
-    def __init__(self, bind_addr: str, mode: str, max_model_len: int, vocab_size: int, eos_token_ids: list[int],
+    def __init__(self, bind_addr: str, mode: ServeMode, max_model_len: int, vocab_size: int, eos_token_ids: list[int],
                  dead_after_s: float = 3.0, max_retries: int = 1) -> None:
         self.bind_addr = bind_addr
-        self.mode = mode
+        self.mode = ServeMode(mode)
         self.max_model_len, self.vocab_size, self.eos_token_ids = max_model_len, vocab_size, eos_token_ids
         self.dead_after_s = dead_after_s
         self.max_retries = max_retries
@@ -87,17 +87,10 @@ class RemoteEngineClient:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[GenerationChunk]:
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
-                             f"max_model_len={self.max_model_len}")
+        check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         if request_id in self.tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
-        tracked = Tracked(request_id, list(prompt_token_ids), asdict(params), asyncio.Queue())
+        tracked = Tracked(request_id, list(prompt_token_ids), params, asyncio.Queue())
         self._dispatch(tracked)  # raises EngineUnavailableError when no instance can take it
         self.tracked[request_id] = tracked
         finished = False
@@ -124,7 +117,9 @@ class RemoteEngineClient:
     def is_ready(self) -> bool:
         now = time.monotonic()
         roles = {i.role for i in self.table.values() if i.alive(now, self.dead_after_s)}
-        return {"prefill", "decode"} <= roles if self.mode == "pd" else "colocated" in roles
+        if self.mode == ServeMode.PD:
+            return {EngineRole.PREFILL, EngineRole.DECODE} <= roles
+        return EngineRole.COLOCATED in roles
 
     def instances(self) -> list[InstanceInfo]:
         now = time.monotonic()
@@ -135,12 +130,12 @@ class RemoteEngineClient:
                 name=inst.name, role=inst.role, ready=inst.alive(now, self.dead_after_s),
                 kv_blocks_free=hb.kv_blocks_free if hb else 0, kv_blocks_total=hb.kv_blocks_total if hb else 0,
                 num_running=hb.num_running if hb else 0, num_waiting=hb.num_waiting if hb else 0,
-                counters=dict(hb.counters) if hb else {}))
+                counters=dict(hb.counters) if hb else {}, per_position=dict(hb.per_position) if hb else {}))
         return out
 
     # -- routing -------------------------------------------------------------------------
 
-    def _pick(self, role: str, exclude: str | None = None) -> Instance | None:
+    def _pick(self, role: EngineRole, exclude: str | None = None) -> Instance | None:
         now = time.monotonic()
         live = [i for i in self.table.values()
                 if i.role == role and i.alive(now, self.dead_after_s) and i.name != exclude]
@@ -151,16 +146,17 @@ class RemoteEngineClient:
         return min(rotated, key=lambda i: len(i.outstanding))
 
     def _dispatch(self, tracked: Tracked, avoid_prefill: str | None = None) -> None:
-        if self.mode != "pd":
-            inst = self._pick("colocated")
+        if self.mode != ServeMode.PD:
+            inst = self._pick(EngineRole.COLOCATED)
             if inst is None:
                 raise EngineUnavailableError("no engine instance is ready")
             tracked.prefill = tracked.decode = inst.name
             inst.outstanding.add(tracked.req_id)
             self._send(inst.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params))
             return
-        p = self._pick("prefill", exclude=avoid_prefill) or (self._pick("prefill") if avoid_prefill else None)
-        d = self._pick("decode")
+        p = self._pick(EngineRole.PREFILL, exclude=avoid_prefill) or (
+            self._pick(EngineRole.PREFILL) if avoid_prefill else None)
+        d = self._pick(EngineRole.DECODE)
         if p is None or d is None:
             raise EngineUnavailableError(f"no {'prefill' if p is None else 'decode'} instance is ready")
         tracked.prefill, tracked.decode = p.name, d.name
@@ -175,7 +171,7 @@ class RemoteEngineClient:
         for name in {tracked.prefill, tracked.decode} - {None}:
             self._send(name, msg.Abort(tracked.req_id))
             self.table[name].outstanding.discard(tracked.req_id)
-        if self.mode == "pd" and not tracked.got_first and tracked.attempts < self.max_retries:
+        if self.mode == ServeMode.PD and not tracked.got_first and tracked.attempts < self.max_retries:
             tracked.attempts += 1
             tracked.early.clear()
             failed_prefill = tracked.prefill
@@ -186,7 +182,7 @@ class RemoteEngineClient:
                 return
             except EngineUnavailableError as e:
                 reason = f"{reason}; {e}"
-        tracked.queue.put_nowait(GenerationChunk([], finish_reason="error", error=reason))
+        tracked.queue.put_nowait(GenerationChunk([], finish_reason=FinishReason.ERROR, error=reason))
 
     def _send(self, name: str, message: msg.ToEngine) -> None:
         try:
@@ -227,7 +223,7 @@ class RemoteEngineClient:
         tracked = self.tracked.get(out.req_id)
         if tracked is None or out.instance not in (tracked.prefill, tracked.decode):
             return  # a late message from an aborted attempt
-        if out.finish_reason == "error" and out.retryable:
+        if out.finish_reason == FinishReason.ERROR and out.retryable:
             self._retry_or_fail(tracked, out.error or "KV transfer failed")
             return
         if out.token_ids and out.first_index != tracked.next_index:
@@ -244,11 +240,10 @@ class RemoteEngineClient:
         if out.instance == tracked.decode and tracked.decode != tracked.prefill and not tracked.decode_started:
             tracked.decode_started = True
             self.table[tracked.prefill].outstanding.discard(tracked.req_id)
-        if out.finish_reason and self.mode == "pd" and out.instance == tracked.prefill:
+        if out.finish_reason and self.mode == ServeMode.PD and out.instance == tracked.prefill:
             # Finished on P already (t0 was a stop, or an error): the D reservation is not needed.
             self._send(tracked.decode, msg.Abort(tracked.req_id))
-        logprobs = [TokenLogprobs(t, lp, rank, [tuple(x) for x in top]) for t, lp, rank, top in out.logprobs]
-        tracked.queue.put_nowait(GenerationChunk(list(out.token_ids), logprobs, out.finish_reason, out.error,
+        tracked.queue.put_nowait(GenerationChunk(list(out.token_ids), list(out.logprobs), out.finish_reason, out.error,
                                                  queue_time=out.queue_time))
 
     async def _watch_instances(self) -> None:

@@ -6,8 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.sampling_params import SamplingParams
-from scheduler.output import TokenLogprobs
+from engine.types import EngineRole, FinishReason, SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -17,7 +16,7 @@ class GenerationChunk:
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     # Seconds the request waited in the engine before it was first scheduled; set on one chunk
     # (the first) by clients that know it, feeds pdserve:request_queue_time_seconds.
@@ -29,13 +28,15 @@ class InstanceInfo:
     """One engine instance as /metrics and /health see it."""
 
     name: str           # e.g. "prefill-0", "decode-1", "colocated-0"
-    role: str           # "prefill" | "decode" | "colocated"
+    role: EngineRole
     ready: bool
     kv_blocks_free: int
     kv_blocks_total: int
     num_running: int
     num_waiting: int
     counters: dict[str, float] = field(default_factory=dict)  # monotonically increasing engine counters
+    # Counters with one value per draft position (exported with a `position` label).
+    per_position: dict[str, list[float]] = field(default_factory=dict)
 
 
 class EngineClient(Protocol):
@@ -48,7 +49,8 @@ class EngineClient(Protocol):
     async def start(self) -> None: ...
     async def stop(self) -> None: ...
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[GenerationChunk]:
         """Submit and stream the request. Raises ValueError (bad input) before yielding anything.
         If the consumer stops iterating early (client disconnect), the request must be aborted."""
         ...

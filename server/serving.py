@@ -14,14 +14,14 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from engine.sampling_params import SamplingParams
-from scheduler.output import TokenLogprobs
+from engine.types import FinishReason, SamplingParams, TokenLogprobs
+from engine.validation import InputError, check_prompt, check_token_ids, resolve_max_tokens
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenTexts
 from server.errors import APIError, bad_request
 from server.metrics import ServerMetrics
@@ -33,6 +33,7 @@ from server.openai_schemas import (
     CompletionRequest,
 )
 from server.protocol import EngineClient, EngineUnavailableError, GenerationChunk
+from server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
     bad_input: str | None = None  # a ValueError the engine client raised lazily
@@ -109,23 +110,23 @@ class Choice:
         if self.stops.matched is None and chunk.finish_reason is not None:
             out += self.stops.push(self.detok.flush(), check=len(self.token_ids) >= self.params.min_tokens)
         if self.stops.matched is not None:
-            finish, self.stop_reason = "stop", self.stops.matched
+            finish, self.stop_reason = FinishReason.STOP, self.stops.matched
         elif chunk.finish_reason is not None:
             out += self.stops.flush()
             finish = chunk.finish_reason
-            if finish == "stop" and self.token_ids and self.token_ids[-1] in self.params.stop_token_ids:
+            if finish == FinishReason.STOP and self.token_ids and self.token_ids[-1] in self.params.stop_token_ids:
                 self.stop_reason = self.token_ids[-1]
-            if finish == "error":
+            if finish == FinishReason.ERROR:
                 self.error = chunk.error or "engine error"
         self.text += out
         if finish is not None:
             self._finish(finish, metrics)
         return Delta(out, ids[:kept], logprobs[:kept], finish)
 
-    def _finish(self, reason: str, metrics: ServerMetrics) -> None:
+    def _finish(self, reason: FinishReason, metrics: ServerMetrics) -> None:
         self.finish_reason = reason
         metrics.e2e.observe(time.monotonic() - self.arrival)
-        if reason == "error":
+        if reason == FinishReason.ERROR:
             metrics.request_errors.inc()
         else:
             metrics.request_success.labels(finished_reason=reason).inc()
@@ -184,11 +185,23 @@ class Serving:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def detokenize(self, ids: list[int], param: str) -> str:
+        """/detokenize: the ids must be in the vocabulary and the model must have a tokenizer."""
+        self.check_token_ids(ids, param)
+        if self.tokenizer is None:
+            raise APIError(400, f"{param}: this model has no tokenizer", param=param)
+        return self.decode(ids)
+
+    def token_strs(self, ids: list[int]) -> list[str] | None:
+        return [self.token_texts.text(t) for t in ids] if self.tokenizer is not None else None
+
     def check_token_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.client.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+        with input_errors():
+            check_token_ids(ids, self.client.vocab_size, param)
+
+    def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
+        with input_errors():
+            check_prompt(ids, self.client.vocab_size, self.client.max_model_len, param)
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                     continue_final_message: bool) -> list[int]:
@@ -227,16 +240,8 @@ class Serving:
 
     def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
                         max_tokens: int | None, logprobs: int | None, choice_index: int) -> SamplingParams:
-        max_len = self.client.max_model_len
-        if prompt_len >= max_len:
-            raise APIError(400, f"prompt: {prompt_len} tokens leave no room to generate within the model's "
-                                f"context length of {max_len} tokens", param="prompt", code="context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = max_len - prompt_len
-        elif isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > max_len:
-            raise APIError(400, f"max_tokens: this model's maximum context length is {max_len} tokens; the prompt "
-                                f"has {prompt_len} and max_tokens asks for {max_tokens} more",
-                           param="max_tokens", code="context_length_exceeded")
+        with input_errors():
+            max_tokens = resolve_max_tokens(prompt_len, max_tokens, self.client.max_model_len)
         seed = None if req.seed is None else req.seed + choice_index
         try:
             return SamplingParams(
@@ -314,26 +319,26 @@ class Serving:
                 await self._consume(choice, stream, emit)
             if choice.finish_reason is None:
                 choice.error = "the engine stream ended without a finish reason"
-                choice._finish("error", self.metrics)
-                emit(Delta("", [], [], "error"))
+                choice._finish(FinishReason.ERROR, self.metrics)
+                emit(Delta("", [], [], FinishReason.ERROR))
         except ValueError as exc:  # an engine client that validates lazily, on first iteration
             choice.bad_input = str(exc)
-            choice.finish_reason = "error"
-            emit(Delta("", [], [], "error"))
+            choice.finish_reason = FinishReason.ERROR
+            emit(Delta("", [], [], FinishReason.ERROR))
         except EngineUnavailableError as exc:
             choice.unavailable = str(exc) or "no engine instance is available"
-            choice.finish_reason = "error"
-            emit(Delta("", [], [], "error"))
+            choice.finish_reason = FinishReason.ERROR
+            emit(Delta("", [], [], FinishReason.ERROR))
         except asyncio.CancelledError:  # the client went away
             self._abort_later(choice.request_id)
             if choice.finish_reason is None:
-                choice._finish("abort", self.metrics)
+                choice._finish(FinishReason.ABORT, self.metrics)
             raise
         except Exception as exc:  # an engine client failure: this choice fails, the server goes on
             logger.exception("request %s failed", choice.request_id)
             choice.error = f"{type(exc).__name__}: {exc}"
-            choice._finish("error", self.metrics)
-            emit(Delta("", [], [], "error"))
+            choice._finish(FinishReason.ERROR, self.metrics)
+            emit(Delta("", [], [], FinishReason.ERROR))
         finally:
             emit(None)
 
@@ -359,6 +364,14 @@ class Serving:
         for t in tasks:
             if not t.done():
                 t.cancel()
+
+    async def run_to_end(self, request: Request, choices: list[Choice], streams: list[AsyncIterator[GenerationChunk]],
+                         release: Callable[[], None]) -> None:
+        """Non-streaming: run every choice to its end, free the slot, raise the first failure."""
+        tasks = self.start(choices, streams, None)
+        await self.wait_all(request, tasks)
+        release()
+        self.raise_for_failures(choices)
 
     async def wait_all(self, request: Request, tasks: list[asyncio.Task]) -> None:
         """Wait for every choice (non-streaming); abort them all if the client goes away."""
@@ -406,7 +419,7 @@ class Serving:
 
     # -- logprobs formatting -------------------------------------------------------------
 
-    def completion_logprobs(self, choice: Choice, logprobs: list[TokenLogprobs]) -> dict:
+    def completion_logprobs(self, choice: Choice, logprobs: list[TokenLogprobs]) -> CompletionLogprobs:
         tt = self.token_texts
         tokens, token_logprobs, top, offsets = [], [], [], []
         for lp in logprobs:
@@ -419,20 +432,28 @@ class Serving:
             top.append(entry)
             offsets.append(choice.text_offset)
             choice.text_offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+        return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
 
-    def chat_logprobs(self, logprobs: list[TokenLogprobs]) -> dict:
+    def chat_logprobs(self, logprobs: list[TokenLogprobs]) -> ChatLogprobs:
         tt = self.token_texts
         content = []
         for lp in logprobs:
-            content.append({
-                "token": tt.text(lp.token_id), "logprob": _finite(lp.logprob), "bytes": tt.bytes(lp.token_id),
-                "top_logprobs": [{"token": tt.text(t), "logprob": _finite(v), "bytes": tt.bytes(t)} for t, v in lp.top],
-            })
-        return {"content": content}
+            content.append(TokenLogprob(
+                token=tt.text(lp.token_id), logprob=_finite(lp.logprob), bytes=tt.bytes(lp.token_id),
+                top_logprobs=[TopLogprob(token=tt.text(t), logprob=_finite(v), bytes=tt.bytes(t)) for t, v in lp.top]))
+        return ChatLogprobs(content=content)
 
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@contextmanager
+def input_errors() -> Iterator[None]:
+    """engine.validation's InputError as a 400 naming its field (and code, e.g. context_length_exceeded)."""
+    try:
+        yield
+    except InputError as exc:
+        raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
 
 
 def unavailable(message: str) -> APIError:
@@ -440,12 +461,12 @@ def unavailable(message: str) -> APIError:
                     code="engine_unavailable", headers={"Retry-After": "1"})
 
 
-def usage(choices: list[Choice]) -> dict:
+def usage(choices: list[Choice]) -> Usage:
     prompts = {id(c.prompt_ids): len(c.prompt_ids) for c in choices}
     prompt_tokens = sum(prompts.values())
     completion_tokens = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
 
 
 def check_logprobs_count(value: int | None, param: str) -> None:

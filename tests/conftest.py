@@ -59,9 +59,9 @@ class Reference:
         key = (tuple(prompt), max_new_tokens)
         if key not in self.cache:
             with torch.no_grad():
-                out = self.model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                          do_sample=False, eos_token_id=None, pad_token_id=0,
-                                          output_logits=True, return_dict_in_generate=True)
+                out = self.model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                                          min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
             tokens = out.sequences[0, len(prompt):].tolist()
             self.cache[key] = (tokens, torch.stack(out.logits, 0)[:, 0].float())
         return self.cache[key]

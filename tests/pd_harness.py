@@ -16,7 +16,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig, ModelConfig
 from engine.process import EngineProcess
-from engine.sampling_params import SamplingParams
+from engine.types import SamplingParams
 from server.pd_client import RemoteEngineClient
 from server.protocol import EngineUnavailableError
 

@@ -27,7 +27,6 @@ import sys
 
 import httpx
 import pytest
-
 from conftest import REPO, add_mtp_layer
 from test_pd_http import Served
 

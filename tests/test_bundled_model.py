@@ -9,13 +9,21 @@ import time
 import httpx
 import pytest
 import torch
+from conftest import BUNDLED_MODEL, REPO, Reference
+from pd_harness import (
+    ThreadedEngines,
+    client_for,
+    free_port,
+    generate_all,
+    running_client,
+    wait_blocks_free,
+    wait_ready,
+)
 from safetensors import safe_open
 
-from benchmarks.common import stop_process_group
-from conftest import BUNDLED_MODEL, REPO, Reference
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from pd_harness import ThreadedEngines, client_for, free_port, generate_all, running_client, wait_blocks_free, wait_ready
+from server.procs import stop_process_group
 
 PROMPTS = [
     "def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
@@ -67,7 +75,8 @@ def test_spec_decoding_exact_and_mostly_accepted_on_bundled_model(method, k, dra
     llm = LLM(str(BUNDLED_MODEL), max_model_len=512, max_num_seqs=2, speculative_method=method,
               num_speculative_tokens=k, draft_dtype=draft_dtype)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
-    exact = sum(ref.assert_matches(p, o.token_ids, NEW, f"{method}{k}/{i}") for i, (p, o) in enumerate(zip(prompts, outs)))
+    exact = sum(ref.assert_matches(p, o.token_ids, NEW, f"{method}{k}/{i}")
+                for i, (p, o) in enumerate(zip(prompts, outs)))
     assert exact >= len(prompts) - 1
     stats = llm.engine.scheduler.spec_stats
     if method == "mtp":  # a trained draft head: its first draft is right most of the time
@@ -86,7 +95,8 @@ def test_pd_with_mtp_carries_the_mtp_kv(bundled, tmp_path):
             engines.add("prefill", "prefill-0", EngineConfig(**common, num_speculative_tokens=1))
             decode = engines.add("decode", "decode-0", EngineConfig(**common, num_speculative_tokens=2, max_num_seqs=2))
         else:
-            decode = engines.add("colocated", "colocated-0", EngineConfig(**common, num_speculative_tokens=2, max_num_seqs=2))
+            decode = engines.add("colocated", "colocated-0", EngineConfig(**common, num_speculative_tokens=2,
+                                                                          max_num_seqs=2))
         engines.start()
         client = client_for(engines.server_addr, str(BUNDLED_MODEL), mode, 512)
         try:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import Reference, random_prompts
+from pd_harness import ThreadedEngines, client_for, generate_all, running_client, wait_blocks_free, wait_ready
+
 from engine import LLM
 from engine.config import EngineConfig
 from engine.types import SamplingParams
-from pd_harness import ThreadedEngines, client_for, generate_all, running_client, wait_blocks_free, wait_ready
 
 VOCAB = 384
 NEW = 16

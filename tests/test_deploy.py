@@ -19,7 +19,6 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
 from conftest import REPO
 from pd_harness import free_port, wait_until
 
@@ -91,7 +90,8 @@ class LocalCompose:
             return f"tcp://127.0.0.1:{self.port(owner, port)}"
 
         value = re.sub(r"tcp://([\w.-]+):(\d+)", addr, value)
-        value = re.sub(r"http://127\.0\.0\.1:(\d+)", lambda m: f"http://127.0.0.1:{self.port(service, int(m.group(1)))}", value)
+        value = re.sub(r"http://127\.0\.0\.1:(\d+)",
+                       lambda m: f"http://127.0.0.1:{self.port(service, int(m.group(1)))}", value)
         return value.replace("/app/models/pdserve-tiny", self.model)
 
     def argv(self, service: str) -> list[str]:
@@ -132,7 +132,7 @@ class LocalCompose:
                                                    start_new_session=True, stdout=subprocess.DEVNULL)
 
     def stop(self) -> None:
-        for service, proc in self.procs.items():
+        for proc in self.procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
         for proc in self.procs.values():

@@ -114,7 +114,8 @@ def test_flush_emits_an_incomplete_tail_like_decode(tokenizer):
 
 
 def test_special_tokens_skipped_or_kept(tokenizer):
-    ids = tokenizer.encode("hello", add_special_tokens=False) + [1] + tokenizer.encode(" wörld", add_special_tokens=False) + [2, 0]
+    ids = (tokenizer.encode("hello", add_special_tokens=False) + [1]
+           + tokenizer.encode(" wörld", add_special_tokens=False) + [2, 0])
     assert "".join(stream(tokenizer, ids)) == decode(tokenizer, ids) == "hello wörld"
     assert "".join(stream(tokenizer, ids, skip=False)) == decode(tokenizer, ids, skip=False)
 

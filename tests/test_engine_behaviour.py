@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import random_prompts
+
 from engine import LLM, SamplingParams
-from engine.core import EngineCore
 from engine.config import EngineConfig
+from engine.core import EngineCore
 from worker.invariants import InvariantViolation
 from worker.states import RequestStates
 

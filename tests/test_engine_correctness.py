@@ -4,8 +4,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import random_prompts
+
 from engine import LLM, SamplingParams
 
 NEW_TOKENS = 48

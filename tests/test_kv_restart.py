@@ -36,8 +36,12 @@ def test_decode_re_handshakes_with_a_prefill_restarted_at_the_same_address(tmp_p
     addr = f"ipc://{tmp_path}/p-kv"
     src, dst = torch.randn(SHAPE), torch.zeros(SHAPE)
     released: list[str] = []
+
+    def release(req_id: str, _blocks: list[int]) -> None:
+        released.append(req_id)
+
     receiver = KVReceiver(ctx, dst, "h", "d", "decode-0", deadline_s=60.0)
-    first = KVSender(ctx, addr, src, "h", "d", "prefill-0", released.append)
+    first = KVSender(ctx, addr, src, "h", "d", "prefill-0", release)
     try:
         done, failed, _ = transfer(first, receiver, "r1", [0, 1])
         assert [d.req_id for d in done] == ["r1"] and not failed
@@ -47,7 +51,7 @@ def test_decode_re_handshakes_with_a_prefill_restarted_at_the_same_address(tmp_p
             time.sleep(0.005)
         first.close()  # the process dies; a new one binds the same address with a fresh cache
         src2 = torch.randn(SHAPE)
-        second = KVSender(ctx, addr, src2, "h", "d", "prefill-0", released.append)
+        second = KVSender(ctx, addr, src2, "h", "d", "prefill-0", release)
         try:
             done, failed, seconds = transfer(second, receiver, "r2", [2, 3])
             assert [d.req_id for d in done] == ["r2"] and not failed, (done, failed)
@@ -69,7 +73,7 @@ def test_decode_re_handshakes_with_a_prefill_restarted_at_the_same_address(tmp_p
 def test_unknown_connection_is_told_to_handshake(tmp_path: Path):
     """Any well-formed message from a connection P never handshaked with gets HandshakeRequired."""
     ctx = zmq.Context()
-    sender = KVSender(ctx, f"ipc://{tmp_path}/p-kv", torch.zeros(SHAPE), "h", "d", "prefill-0", lambda r: None)
+    sender = KVSender(ctx, f"ipc://{tmp_path}/p-kv", torch.zeros(SHAPE), "h", "d", "prefill-0", lambda *_: None)
     stranger = ctx.socket(zmq.DEALER)
     stranger.setsockopt(zmq.LINGER, 0)
     stranger.connect(sender.address)

@@ -6,9 +6,9 @@ import logging
 
 import pytest
 import torch
+from conftest import make_checkpoint, random_prompts
 from safetensors.torch import load_file, save_file
 
-from conftest import make_checkpoint, random_prompts
 from engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -71,7 +71,6 @@ def test_bfloat16_runs_and_mostly_agrees(checkpoints, references):
 @pytest.mark.parametrize("sliding_window", [None, 40])
 def test_mistral_with_and_without_sliding_window(tmp_path, sliding_window):
     import transformers
-
     from conftest import Reference
 
     cfg = transformers.MistralConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import random_prompts
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
 from pd_harness import ThreadedEngines, client_for, generate_all, running_client, wait_blocks_free, wait_ready
+
+from engine.config import EngineConfig
+from engine.types import SamplingParams
 from worker.states import RequestStates
 
 VOCAB = 384
@@ -22,8 +22,9 @@ def pd_outputs(tmp_path, model: str, prompts, params=GREEDY, decode_kwargs=None,
         engines.add("colocated", "colocated-0", EngineConfig(**common, max_num_seqs=8))
         mode = "colocated"
     else:
-        engines.add("prefill", "prefill-0", EngineConfig(**{**common, "speculative_method": spec, "num_speculative_tokens": 1},
-                                                         max_num_batched_tokens=128, **(prefill_kwargs or {})))
+        prefill_common = {**common, "speculative_method": spec, "num_speculative_tokens": 1}
+        engines.add("prefill", "prefill-0", EngineConfig(**prefill_common, max_num_batched_tokens=128,
+                                                         **(prefill_kwargs or {})))
         engines.add("decode", "decode-0", EngineConfig(**common, **{"max_num_seqs": 2, **(decode_kwargs or {})}))
         mode = "pd"
     engines.start()

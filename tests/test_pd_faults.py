@@ -6,13 +6,21 @@ import time
 
 import pytest
 import zmq
-
 from conftest import make_checkpoint, random_prompts
+from pd_harness import (
+    ProcessGroup,
+    ThreadedEngines,
+    client_for,
+    generate_all,
+    running_client,
+    wait_blocks_free,
+    wait_ready,
+    wait_until,
+)
+
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.types import SamplingParams
 from kv_transfer import messages as m
-from pd_harness import (ProcessGroup, ThreadedEngines, client_for, generate_all, running_client, wait_blocks_free,
-                        wait_ready, wait_until)
 
 VOCAB = 384
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -32,10 +40,10 @@ def test_decode_dies_after_receiving_kv_prefill_frees_blocks_within_lease(checkp
     front = ctx.socket(zmq.ROUTER)  # stands in for the front end
     front.bind(engines.server_addr)
     fake_d = ctx.socket(zmq.DEALER)
-    fake_d.connect(prefill.sender.address)
+    fake_d.connect(prefill.connector.sender.address)
     fake_d.setsockopt(zmq.RCVTIMEO, 10000)
     try:
-        fake_d.send(m.encode(m.Hello(prefill.sender.compat_hash, "", "fake-decode")))
+        fake_d.send(m.encode(m.Hello(prefill.connector.sender.compat_hash, "", "fake-decode")))
         assert isinstance(m.decode(fake_d.recv()), m.HelloAck)
         from engine import messages as em
         front.setsockopt(zmq.RCVTIMEO, 10000)
@@ -51,7 +59,7 @@ def test_decode_dies_after_receiving_kv_prefill_frees_blocks_within_lease(checkp
         assert core.stats().kv_blocks_free < core.stats().kv_blocks_total  # held under the lease
         wait_until(lambda: core.stats().kv_blocks_free == core.stats().kv_blocks_total, 5,
                    "prefill to free the blocks after the lease expired")
-        assert prefill.sender.stats.leases_expired == 1
+        assert prefill.connector.sender.stats.leases_expired == 1
     finally:
         engines.stop()
         for s in (front, fake_d):
@@ -134,11 +142,11 @@ def test_garbage_frames_to_kv_port_are_dropped_and_counted(checkpoints, tmp_path
     client = client_for(engines.server_addr, model, "pd", 256)
     ctx = zmq.Context()
     attacker = ctx.socket(zmq.DEALER)
-    attacker.connect(prefill.sender.address)
+    attacker.connect(prefill.connector.sender.address)
     try:
         with running_client(client) as run:
             run(wait_ready(client))
-            hello = m.encode(m.Hello(prefill.sender.compat_hash, "", "x"))
+            hello = m.encode(m.Hello(prefill.connector.sender.compat_hash, "", "x"))
             attacker.send(b"\x00\xffgarbage")                       # not msgpack
             attacker.send_multipart([b"a", b"b", b"c"])              # wrong frame count
             attacker.send(m.encode(m.PullKV("nobody")))              # no handshake: unauthenticated
@@ -198,7 +206,7 @@ def test_truncated_kv_payload_fails_clearly_and_frees(checkpoints, tmp_path):
             run(wait_ready(client))
             (result,) = run(generate_all(client, [random_prompts(1, 5, 5, VOCAB, 85)[0]], GREEDY, timeout=30))
             assert result["finish_reason"] == "error" and "truncated" in result["error"]
-            assert decode.receiver.stats.transfers_failed == 2  # first try and the retry
+            assert decode.connector.receiver.stats.transfers_failed == 2  # first try and the retry
             core = decode.core
             wait_until(lambda: core.stats().kv_blocks_free == core.stats().kv_blocks_total, 3,
                        "decode to free the reserved blocks")
@@ -225,7 +233,7 @@ def test_peer_with_different_model_refused_at_handshake(checkpoints, tmp_path):
             (result,) = run(generate_all(client, [[3, 4, 5, 6]], GREEDY, timeout=30))
             assert result["finish_reason"] == "error"
             assert "incompatible KV layout" in result["error"] and "weights" in result["error"]
-            assert prefill.sender.stats.handshakes_rejected >= 1
+            assert prefill.connector.sender.stats.handshakes_rejected >= 1
             run(wait_blocks_free(client))
     finally:
         engines.stop()

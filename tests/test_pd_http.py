@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
-from benchmarks.common import stop_process_group
 from conftest import REPO, random_prompts
 from pd_harness import free_port, wait_until
+
+from server.procs import stop_process_group
 
 NEW = 20
 
@@ -71,8 +71,10 @@ def http_outputs(checkpoints):
                 results[mode] = list(pool.map(served.complete, prompts))
             if mode == "pd":  # every block back within 2 s of the last answer (heartbeats are 0.2 s apart)
                 names = [f"{r}-{i}" for r in ("prefill", "decode") for i in (0, 1)]
-                wait_until(lambda: all(metric(served.metrics(), "kv_blocks_free", n) ==
-                                       metric(served.metrics(), "kv_blocks_total", n) for n in names),
+                wait_until(lambda served=served, names=names: all(
+                               metric(served.metrics(), "kv_blocks_free", n) == metric(served.metrics(),
+                                                                                       "kv_blocks_total", n)
+                               for n in names),
                            2.0, "free KV blocks == total on every instance", interval=0.2)
             results[mode + "_metrics"] = served.metrics()
         finally:

@@ -8,13 +8,13 @@ import time
 import httpx
 import openai
 import pytest
-
 from conftest import make_checkpoint
-from engine.config import EngineConfig
 from pd_harness import ThreadedEngines, client_for
-from server.app import build_app
 from test_detokenizer import make_tokenizer
 from test_server_api import ServerThread, read_until_streaming
+
+from engine.config import EngineConfig
+from server.app import build_app
 
 MODEL = "tiny-pd"
 

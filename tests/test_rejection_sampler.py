@@ -10,12 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from distributions import CHI2_MIN_P_VALUE, assert_matches_distribution, reference_probs
 from scipy import stats
 
-from distributions import CHI2_MIN_P_VALUE, assert_matches_distribution, reference_probs
 from worker.rejection_sampler import RejectionOutput, RejectionSampler
 from worker.sampler import Sampler, SamplingMetadata, make_generator
-
 
 # ----------------------------------------------------------------- helpers
 
@@ -188,7 +187,7 @@ def test_seeded_output_independent_of_batch(explicit_q: bool) -> None:
     for seed in range(24):
         logits, q, drafts = seeded_request(seed, vocab, k)
 
-        def meta(*with_others: bool) -> SamplingMetadata:
+        def meta(*with_others: bool, seed: int = seed) -> SamplingMetadata:
             own = dict(t=0.9, top_p=0.95, gen=make_generator(seed))
             rows = [own]
             if with_others:
@@ -344,4 +343,5 @@ def test_invalid_inputs_raise(ks, drafts, rows, q_rows, meta_rows) -> None:
     vocab = 8
     q = torch.full((q_rows, vocab), 1.0 / vocab) if q_rows is not None else None
     with pytest.raises(ValueError):
-        RejectionSampler(Sampler())(torch.zeros(rows, vocab), ks, drafts, q, SamplingMetadata.from_lists([1.0] * meta_rows))
+        RejectionSampler(Sampler())(torch.zeros(rows, vocab), ks, drafts, q,
+                                    SamplingMetadata.from_lists([1.0] * meta_rows))

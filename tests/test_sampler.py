@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from distributions import assert_matches_distribution, reference_probs
+
 from worker.sampler import (
     LogprobsTensors,
     Sampler,

@@ -15,17 +15,17 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import make_checkpoint
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from test_detokenizer import make_tokenizer
 
-from conftest import make_checkpoint
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.types import SamplingParams
 from server.app import build_app
 from server.detokenizer import IncrementalDetokenizer
 from server.local_client import LocalEngineClient
 from server.protocol import EngineUnavailableError, GenerationChunk, InstanceInfo
-from test_detokenizer import make_tokenizer
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 192
@@ -45,10 +45,11 @@ class ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + 20
         while not self.server.started:
@@ -157,7 +158,8 @@ def test_completion_stream_matches_non_stream(oai, http, engine, sampling):
     assert full.usage.total_tokens == n_prompt + 40
     assert choice.prompt_token_ids == http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
     # The server's text is exactly the tokenizer's decode of the generated ids.
-    assert choice.text == http.post("/detokenize", json={"tokens": [t for t in choice.token_ids if t > 2]}).json()["prompt"]
+    assert choice.text == http.post("/detokenize",
+                                    json={"tokens": [t for t in choice.token_ids if t > 2]}).json()["prompt"]
 
     texts, finish, usage = stream_completion_text(oai.completions.create(
         model=MODEL, prompt=prompt, max_tokens=40, stream=True, stream_options={"include_usage": True}, **sampling,
@@ -471,7 +473,8 @@ _message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "as
 # also get arbitrary JSON.
 _plausible = {
     "model": st.sampled_from([MODEL, "other"]),
-    "prompt": st.one_of(st.text(max_size=20), st.lists(st.text(max_size=8), max_size=3), _ids, st.lists(_ids, max_size=3)),
+    "prompt": st.one_of(st.text(max_size=20), st.lists(st.text(max_size=8), max_size=3), _ids,
+                        st.lists(_ids, max_size=3)),
     "messages": st.lists(_message, max_size=3),
     "max_tokens": st.integers(-1, 5) | st.sampled_from([MAX_MODEL_LEN, 10**9]),
     "max_completion_tokens": st.integers(-1, 5),
@@ -618,7 +621,8 @@ class GatedClient:
 
 def test_capacity_limit_gives_429_and_cut_streams_release():
     gated = GatedClient()
-    with ServerThread(build_app(gated, None, MODEL, max_queue=1)) as s, httpx.Client(base_url=s.url, timeout=30) as http:
+    with ServerThread(build_app(gated, None, MODEL, max_queue=1)) as s, httpx.Client(base_url=s.url,
+                                                                                     timeout=30) as http:
         body = {"prompt": [5], "max_tokens": 2, "stream": True, "return_token_ids": True}
         with http.stream("POST", "/v1/completions", json=body) as first:
             assert first.status_code == 200
@@ -740,7 +744,8 @@ def test_health_and_instance_counters_with_a_stub_client():
                 r = tc.post("/v1/completions", json={**body, **field})
                 assert _error(r, 503)["code"] == "engine_unavailable" and r.headers["retry-after"] == "1"
         # An engine failure is a 500 (never a 200 with garbage), in the stream an error event.
-        assert _error(tc.post("/v1/completions", json={"prompt": [5], "temperature": 1.5}), 500)["code"] == "engine_error"
+        assert _error(tc.post("/v1/completions", json={"prompt": [5], "temperature": 1.5}),
+                      500)["code"] == "engine_error"
         lines = tc.post("/v1/completions", json={"prompt": [5], "temperature": 1.5, "stream": True}).text.splitlines()
         assert any("KV transfer failed" in line for line in lines) and lines[-2] == "data: [DONE]"
     assert app.state.internal_errors == 0

@@ -9,9 +9,9 @@ from __future__ import annotations
 import collections
 
 import pytest
+from conftest import add_mtp_layer
 from scipy.stats import chi2_contingency
 
-from conftest import add_mtp_layer
 from engine import LLM, SamplingParams
 
 N = 2500

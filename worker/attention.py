@@ -168,7 +168,6 @@ class ReferenceLayout:
 
     def __init__(self, layout: StepLayout, block_size: int, device: torch.device, sliding_window: int | None,
                  dtype: torch.dtype) -> None:
-        b = len(layout.query_lens)
         qsl, bt = layout.query_start_loc, layout.block_tables
         max_q, max_kv = int(layout.query_lens.max()), int(layout.seq_lens.max())
         j = np.arange(max_kv)

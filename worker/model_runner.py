@@ -13,12 +13,13 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from scheduler.output import RunnerOutput, SchedulerOutput, TokenLogprobs
+from engine.types import TokenLogprobs
+from scheduler.output import RunnerOutput, SchedulerOutput
 from worker import invariants, kernels
 from worker.attention import AttentionContext, StepLayout, allocate_kv_caches
 from worker.compilation import ModelForward
-from worker.model_loader import DTYPES, load_model, resolve_draft_dtype
 from worker.drafter import MTPDrafter, NgramDrafter, StepBatch
+from worker.model_loader import DTYPES, load_model, resolve_draft_dtype
 from worker.rejection_sampler import RejectionSampler
 from worker.sampler import Sampler, SamplingMetadata
 from worker.states import RequestStates

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.types import SamplingParams
 from scheduler.output import CachedRequestData, NewRequestData
 
 

@@ -1,0 +1,110 @@
+"""POST /v1/chat/completions: n choices of one rendered conversation, answered whole or streamed."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.types import TokenLogprobs
+from server.errors import APIError
+from server.openai_schemas import ChatCompletionRequest
+from server.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    Usage,
+)
+from server.serving import Choice, Delta, Serving, check_logprobs_count, usage
+from server.streaming import stream_response
+
+
+async def create_chat_completion(serving: Serving, request: Request, req: ChatCompletionRequest,
+                                 release: Callable[[], None], arrival: float) -> Response:
+    request_id, ids, choices = _choices(serving, req, arrival)
+    streams = serving.submit(choices)
+    fmt = ChatFormat(serving, req, request_id, ids, choices)
+    if req.stream:
+        return await stream_response(request, serving, choices, streams, fmt, release)
+    await serving.run_to_end(request, choices, streams, release)
+    return JSONResponse(fmt.response(usage(choices)).body())
+
+
+def _choices(serving: Serving, req: ChatCompletionRequest, arrival: float) -> tuple[str, list[int], list[Choice]]:
+    stops = serving.check_common(req)
+    if req.tools:
+        raise APIError(400, "tools: tool calling is not supported", param="tools")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, "tool_choice: tool calling is not supported", param="tool_choice")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise APIError(400, "response_format: only {\"type\": \"text\"} is supported", param="response_format")
+    check_logprobs_count(req.top_logprobs, "top_logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    ids = serving.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message)
+    serving.check_prompt(ids)
+    request_id = serving.new_request_id("chatcmpl")
+    choices = [serving.new_choice(i, request_id, ids, serving.sampling_params(req, len(ids), max_tokens, logprobs, i),
+                                  stops, req, arrival) for i in range(req.n)]
+    return request_id, ids, choices
+
+
+class ChatFormat:
+    """chat.completion objects, or chat.completion.chunk ones for a stream."""
+
+    def __init__(self, serving: Serving, req: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
+                 choices: list[Choice]) -> None:
+        self.serving, self.req, self.prompt_ids, self.choices = serving, req, prompt_ids, choices
+        self.head = dict(id=request_id, created=int(time.time()), model=serving.model_name)
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def _logprobs(self, lps: list[TokenLogprobs]) -> ChatLogprobs | None:
+        return self.serving.chat_logprobs(lps) if self.req.logprobs else None
+
+    def response(self, usage: Usage) -> ChatCompletionResponse:
+        out = []
+        for c in self.choices:
+            choice = ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                                logprobs=self._logprobs(c.logprobs), finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason)
+            if self.req.return_token_ids:
+                choice.token_ids = c.token_ids
+            out.append(choice)
+        response = ChatCompletionResponse(**self.head, choices=out, usage=usage)
+        if self.req.return_token_ids:
+            response.prompt_token_ids = self.prompt_ids
+        return response
+
+    def _chunk(self, choice: ChatChunkChoice, first: bool = False) -> dict:
+        chunk = ChatCompletionChunk(**self.head, choices=[choice])
+        if self.include_usage:
+            chunk.usage = None
+        if first and self.req.return_token_ids:
+            chunk.prompt_token_ids = self.prompt_ids
+        return chunk.body()
+
+    def preamble(self) -> list[dict]:
+        return [self._chunk(ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""),
+                                            logprobs=None, finish_reason=None), first=True) for c in self.choices]
+
+    def on_delta(self, c: Choice, delta: Delta) -> dict | None:
+        wants_ids = self.req.logprobs or self.req.return_token_ids
+        if not (delta.text or delta.finish_reason or (delta.token_ids and wants_ids)):
+            return None
+        choice = ChatChunkChoice(index=c.index, delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
+                                 logprobs=self._logprobs(delta.logprobs), finish_reason=delta.finish_reason)
+        if delta.finish_reason is not None:
+            choice.stop_reason = c.stop_reason
+        if self.req.return_token_ids:
+            choice.token_ids = delta.token_ids
+        return self._chunk(choice)
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        return ChatCompletionChunk(**self.head, choices=[], usage=usage).body()

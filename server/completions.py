@@ -1,0 +1,118 @@
+"""POST /v1/completions: a request's prompts x n choices, answered whole or streamed."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.types import TokenLogprobs
+from server.errors import APIError
+from server.openai_schemas import CompletionRequest
+from server.responses import CompletionChoice, CompletionResponse, Usage
+from server.serving import MAX_CHOICES, Choice, Delta, Serving, check_logprobs_count, usage
+from server.streaming import stream_response
+
+
+async def create_completion(serving: Serving, request: Request, req: CompletionRequest,
+                            release: Callable[[], None], arrival: float) -> Response:
+    request_id, choices = _choices(serving, req, arrival)
+    streams = serving.submit(choices)
+    fmt = CompletionFormat(serving, req, request_id, choices)
+    if req.stream:
+        return await stream_response(request, serving, choices, streams, fmt, release)
+    await serving.run_to_end(request, choices, streams, release)
+    out = [fmt.choice(c, c.prompt_text + c.text, c.token_ids, c.logprobs, c.finish_reason, True) for c in choices]
+    return JSONResponse(fmt.response(out, usage(choices)).body())
+
+
+def _choices(serving: Serving, req: CompletionRequest, arrival: float) -> tuple[str, list[Choice]]:
+    stops = serving.check_common(req)
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    check_logprobs_count(req.logprobs, "logprobs")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo: echo together with logprobs (prompt logprobs) is not supported", param="echo")
+    prompts = _prompts(serving, req)
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise APIError(400, f"n: prompts x n must be at most {MAX_CHOICES}", param="n")
+    request_id = serving.new_request_id("cmpl")
+    choices: list[Choice] = []
+    for p_idx, ids in enumerate(prompts):
+        for j in range(req.n):
+            idx = p_idx * req.n + j
+            params = serving.sampling_params(req, len(ids), req.max_tokens, req.logprobs, idx)
+            c = serving.new_choice(idx, request_id, ids, params, stops, req, arrival)
+            if req.echo:
+                c.prompt_text = serving.decode(ids)
+                c.text_offset = len(c.prompt_text)
+            choices.append(c)
+    return request_id, choices
+
+
+def _prompts(serving: Serving, req: CompletionRequest) -> list[list[int]]:
+    """The request's prompts as token ids: a string, a list of strings, ids, or a list of id lists."""
+    p = req.prompt
+    if isinstance(p, str):
+        raw: list = [p]
+    elif not p:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    elif isinstance(p[0], int):
+        raw = [p]
+    else:
+        raw = list(p)
+    out = []
+    for i, item in enumerate(raw):
+        param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
+        ids = serving.encode(item, req.add_special_tokens, param) if isinstance(item, str) else list(item)
+        serving.check_prompt(ids, param)
+        out.append(ids)
+    return out
+
+
+class CompletionFormat:
+    """text_completion objects: the whole response, or one stream chunk at a time."""
+
+    def __init__(self, serving: Serving, req: CompletionRequest, request_id: str, choices: list[Choice]) -> None:
+        self.serving, self.req, self.choices = serving, req, choices
+        self.head = dict(id=request_id, created=int(time.time()), model=serving.model_name)
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def choice(self, c: Choice, text: str, ids: list[int], lps: list[TokenLogprobs] | None, finish: str | None,
+               first: bool) -> CompletionChoice:
+        """`lps` None: no logprobs field value (the echo preamble of a stream)."""
+        logprobs = None
+        if self.req.logprobs is not None and lps is not None:
+            logprobs = self.serving.completion_logprobs(c, lps)
+        out = CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=finish)
+        if finish is not None:
+            out.stop_reason = c.stop_reason
+        if self.req.return_token_ids:
+            out.token_ids = ids
+            if first:
+                out.prompt_token_ids = c.prompt_ids
+        return out
+
+    def response(self, choices: list[CompletionChoice], usage: Usage) -> CompletionResponse:
+        return CompletionResponse(**self.head, choices=choices, usage=usage)
+
+    def _chunk(self, choice: CompletionChoice) -> dict:
+        chunk = CompletionResponse(**self.head, choices=[choice])
+        if self.include_usage:
+            chunk.usage = None
+        return chunk.body()
+
+    def preamble(self) -> list[dict]:
+        if not (self.req.echo or self.req.return_token_ids):
+            return []
+        return [self._chunk(self.choice(c, c.prompt_text, [], None, None, True)) for c in self.choices]
+
+    def on_delta(self, c: Choice, delta: Delta) -> dict | None:
+        wants_ids = self.req.logprobs is not None or self.req.return_token_ids
+        if not (delta.text or delta.finish_reason or (delta.token_ids and wants_ids)):
+            return None
+        return self._chunk(self.choice(c, delta.text, delta.token_ids, delta.logprobs, delta.finish_reason, False))
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        return self.response([], usage).body()

@@ -1,0 +1,87 @@
+"""Server-sent events for the generation routes: all choices of a request interleaved as they
+come, `data: [DONE]` at the end, and the request's resources freed however the stream ends."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from engine.types import FinishReason
+from server.errors import error_body
+from server.responses import Usage
+from server.serving import Choice, Delta, Serving, sse, usage
+
+
+class StreamFormat(Protocol):
+    """How one route writes its chunks (completions and chat differ)."""
+
+    def preamble(self) -> list[dict]: ...
+    def on_delta(self, choice: Choice, delta: Delta) -> dict | None: ...
+    def usage_chunk(self, usage: Usage) -> dict: ...
+
+    include_usage: bool
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """Runs `on_close` however the response ends (finished, client gone, send failed), even if
+    the body iterator never started — the one place that reliably frees a stream's resources."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def stream_response(request: Request, serving: Serving, choices: list[Choice], streams, fmt: StreamFormat,
+                          release: Callable[[], None]) -> StreamingResponse:
+    """The response starts once every choice has its first event: a request the engine client
+    refuses (bad input, no instance available) still gets a real 400/503, not a 200 whose
+    stream holds an error. Failures after that arrive as an error event in the stream."""
+    events: asyncio.Queue = asyncio.Queue()
+    tasks = serving.start(choices, streams, events)
+    await serving.wait_started(request, choices, tasks)
+
+    def close() -> None:
+        serving.cancel(tasks)  # aborts whatever is still generating (client gone)
+        release()
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            for chunk in fmt.preamble():
+                yield sse(chunk)
+            async for line in _events(events, len(choices), fmt):
+                yield line
+            if fmt.include_usage:
+                yield sse(fmt.usage_chunk(usage(choices)))
+            yield "data: [DONE]\n\n"
+        finally:
+            close()  # synchronous: this may run inside a cancelled scope
+
+    return ClosingStreamingResponse(body(), on_close=close, media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _events(events: asyncio.Queue, num_choices: int, fmt: StreamFormat) -> AsyncIterator[str]:
+    remaining = num_choices
+    while remaining:
+        choice, delta = await events.get()
+        if delta is None:  # that choice is over
+            remaining -= 1
+            continue
+        if choice.bad_input is not None:
+            yield sse(error_body(choice.bad_input, "invalid_request_error", None, 400))
+        elif delta.finish_reason == FinishReason.ERROR:
+            yield sse(error_body(f"generation failed: {choice.error}", "server_error", None, 500))
+        else:
+            chunk = fmt.on_delta(choice, delta)
+            if chunk is not None:
+                yield sse(chunk)
+
