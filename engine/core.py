@@ -8,6 +8,7 @@ running requests.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -34,6 +35,15 @@ class EngineStats:
     num_preemptions: int
 
 
+@dataclass
+class StepTimes:
+    """Where the engine's time goes (seconds, summed over steps that ran the model)."""
+
+    steps: int = 0
+    step_s: float = 0.0     # schedule + execute + update
+    forward_s: float = 0.0  # the runner: inputs, model forward, sampling, drafting
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.model_config = ModelConfig.from_dir(config.model)
@@ -50,6 +60,7 @@ class EngineCore:
                              "raise num_kv_blocks or lower max_model_len")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.connector = KVConnector()  # colocated; an engine process may set its role's connector
+        self.step_times = StepTimes()
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
                                    self.block_manager, self.connector, config.num_lookahead_tokens)
         logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens", config.model, config.dtype,
@@ -88,11 +99,19 @@ class EngineCore:
     # -- the loop body -------------------------------------------------------------------
 
     def step(self) -> list[RequestUpdate]:
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:  # an idle engine process steps too (to reserve KV): skip the runner then
             return []
+        forward_start = time.perf_counter()
         result = self.runner.execute_model(sched)
-        return self.scheduler.update_from_output(sched, result)
+        forward_end = time.perf_counter()
+        updates = self.scheduler.update_from_output(sched, result)
+        times = self.step_times
+        times.steps += 1
+        times.forward_s += forward_end - forward_start
+        times.step_s += time.perf_counter() - start
+        return updates
 
     def receive_kv(self) -> list[RequestUpdate]:
         """KV transfers that finished since the last call: loaded requests may run from the next

@@ -55,6 +55,7 @@ class EngineProcess:
                                           self.core.block_manager.free_blocks, kv_config)
         self.core.set_kv_connector(self.connector)
         self.stopping = False
+        self.busy_loop_s = 0.0
         self.last_heartbeat = 0.0
         self.last_tick = time.monotonic()
         # Fault-injection knob for tests and drills: slow every step down (seconds).
@@ -74,6 +75,7 @@ class EngineProcess:
             while not self.stopping:
                 self.last_tick = time.monotonic()  # liveness: the loop is turning
                 self._wait_for_input(poller)
+                start, steps = time.perf_counter(), self.core.step_times.steps
                 self._receive()                        # requests and aborts from the server
                 updates = self.core.receive_kv()       # KV transfers that landed or failed
                 if self.step_delay and self.core.has_unfinished():
@@ -81,6 +83,8 @@ class EngineProcess:
                 updates += self.core.step()            # schedule -> execute -> update
                 self._send_updates(updates)            # tokens and errors to the server
                 self._heartbeat()
+                if self.core.step_times.steps != steps:  # a turn that ran the model: what it cost in all
+                    self.busy_loop_s += time.perf_counter() - start
         finally:
             self.close()
 
@@ -147,11 +151,17 @@ class EngineProcess:
                     "spec_decode_num_drafts_total": spec.num_drafts,
                     "spec_decode_num_draft_tokens_total": spec.num_draft_tokens,
                     "spec_decode_num_accepted_tokens_total": spec.num_accepted_tokens,
-                    **self.connector.counters()}
+                    **self._time_counters(), **self.connector.counters()}
         per_position = {"spec_decode_num_accepted_tokens_per_pos_total": [float(n) for n in spec.accepted_per_pos]}
         self._emit(msg.Heartbeat(self.name, self.role, self.connector.kv_endpoint,
                                  stats.kv_blocks_free, stats.kv_blocks_total, stats.num_running,
                                  stats.num_waiting, counters, per_position))
+
+    def _time_counters(self) -> dict[str, float]:
+        """Where a step's time goes: the loop turn, the engine step inside it, the runner inside that."""
+        times = self.core.step_times
+        return {"engine_steps_total": float(times.steps), "engine_loop_busy_seconds_total": self.busy_loop_s,
+                "engine_step_seconds_total": times.step_s, "engine_forward_seconds_total": times.forward_s}
 
     def close(self) -> None:
         self.connector.close()

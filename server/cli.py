@@ -139,6 +139,14 @@ def cmd_server(args: argparse.Namespace) -> None:
     run_front_end(args, args.bind_addr, args.mode)
 
 
+def engine_cpus(index: int, threads: int, cores: list[int]) -> set[int]:
+    """The cores engine `index` is pinned to: `threads` consecutive ones, engines side by side,
+    so that with one thread each on two cores P and D (or the engine and the front end, which
+    stays unpinned and takes what is left) never share a core's caches and run queue."""
+    start = index * threads
+    return {cores[(start + k) % len(cores)] for k in range(threads)}
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     """Front end + engine children on one host, talking over ipc:// sockets in a private folder."""
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
@@ -151,6 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # Engine health ports are for engines deployed one per container; here every child would
     # inherit the same port and all but one would fail to bind it. The front end's /health covers them.
     env = {k: v for k, v in os.environ.items() if k != _env("--health-port")}
+    cores = sorted(os.sched_getaffinity(0))
     for role, count in roles:
         for i in range(count):
             name = f"{role}-{i}"
@@ -161,6 +170,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
             if args.kv_key:
                 argv += ["--kv-key", args.kv_key]
             children.append(subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], env=env))
+            if args.cpu_affinity == "pin":
+                os.sched_setaffinity(children[-1].pid, engine_cpus(len(children) - 1, threads, cores))
 
     def shutdown(*_):
         for child in children:
@@ -227,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(serve, "--num-prefill", int, 1, "prefill engine processes")
     add_flag(serve, "--num-decode", int, 1, "decode engine processes")
     add_flag(serve, "--kv-key", str, "", "shared key required on the KV port")
+    add_flag(serve, "--cpu-affinity", str, "none", "pin | none: pin each engine process to its own cores")
     serve.set_defaults(func=cmd_serve)
 
     for role in (EngineRole.PREFILL, EngineRole.DECODE, EngineRole.COLOCATED):

@@ -15,10 +15,11 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch._dynamo.utils import counters
 
-from worker.attention import AttentionContext, ForwardContextAttention, forward_context
+from worker.attention import AttentionContext, ForwardContextAttention, StepLayout, forward_context
 from worker.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -46,15 +47,28 @@ class ModelForward:
 
             self.compiled = torch.compile(traced, dynamic=True, fullgraph=True)
 
+    def warm_up(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int, max_blocks: int,
+                device: torch.device) -> None:
+        """Compile both graphs now, before the engine serves: a compile inside a step would stall
+        the loop for seconds (and the front end would take the silent engine for dead). The dummy
+        steps write into block 0, which no request holds yet."""
+        if self.compiled is None:
+            return
+        table = np.zeros((1, max_blocks), dtype=np.int32)
+        for computed, new in ((0, 2), (2, 1)):
+            layout = StepLayout(table, np.array([computed], np.int32), np.array([new], np.int32))
+            ctx = AttentionContext(kv_caches, layout, block_size, device)
+            self(torch.zeros(new, dtype=torch.int32, device=device), ctx.positions, ctx)
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         if self.compiled is None:
             return self.model(input_ids, positions, ctx)
-        start = time.monotonic()
+        start, before = time.monotonic(), counters["stats"]["unique_graphs"]
         with forward_context(ctx):
             hidden = self.compiled(input_ids, positions)
-        graphs = counters["stats"]["unique_graphs"]
-        if graphs != self.num_graphs:  # this call compiled a graph (or loaded it from the cache)
-            self.num_graphs = graphs
+        new_graphs = counters["stats"]["unique_graphs"] - before  # Dynamo's count, for the whole process
+        if new_graphs:  # this call compiled a graph (or loaded it from the cache)
+            self.num_graphs += new_graphs
             logger.info("compiled the model forward for %d tokens in %.1f s (%d graphs so far)",
-                        input_ids.shape[0], time.monotonic() - start, graphs)
+                        input_ids.shape[0], time.monotonic() - start, self.num_graphs)
         return hidden

@@ -62,6 +62,9 @@ class ModelRunner:
         self.kv_cache, self.kv_views = allocate_kv_caches(
             self.num_kv_layers, self.num_kv_blocks, self.block_size, model_cfg.num_key_value_heads,
             model_cfg.head_dim, DTYPES[config.dtype], config.device)
+        with torch.inference_mode():
+            self.forward.warm_up(self.kv_views, self.block_size, -(-(max_len + lookahead) // self.block_size) + 1,
+                                 self.device)
         self.states = RequestStates(config.max_num_seqs, max_len, -(-(max_len + lookahead) // self.block_size) + 1,
                                     self.num_spec, self.device)
         self.sampler = Sampler(seed=config.seed, device=self.device)

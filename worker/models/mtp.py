@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from worker.models.layers import AttentionBackend, DecoderLayer, RMSNorm, RotaryEmbedding
 from worker.models.linear import Linear
-from worker.models.llama import AttentionBackend, DecoderLayer, RMSNorm, RotaryEmbedding
 
 
 class MTPLayer(DecoderLayer):
