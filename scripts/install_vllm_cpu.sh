@@ -46,6 +46,14 @@ for pkg in torchvision torchaudio torchcodec; do
     fi
 done
 
+# vLLM's CPU worker asks for tcmalloc in LD_PRELOAD (bench_peers.py preloads it with the venv's
+# libiomp5). Best-effort, like the Makefile's docker-compose: Debian's package where apt-get exists
+# and we are root; without it vLLM runs on glibc malloc and says so.
+if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    { apt-get install -y -q libtcmalloc-minimal4 || { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; }; } \
+        >/dev/null 2>&1 || log "note: libtcmalloc-minimal4 not installed; vLLM will run without it"
+fi
+
 # The server's import chain, not just `import vllm`: that is where a broken optional package shows.
 "$PY" -c "import torch, vllm, vllm.entrypoints.openai.api_server; print(f'vllm {vllm.__version__}, torch {torch.__version__}')"
 touch "$STAMP"
