@@ -34,6 +34,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -313,7 +314,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         out["online"][part] = {}
         for key, runs in by_sys.items():
             ok = [r for r in runs if r.get("completed")]
-            m = {k: median([r[k] for r in ok]) for k in KEPT if k not in ("completed", "failed")} if ok else {}
+            m = {k: median([r.get(k) for r in ok]) for k in KEPT if k not in ("completed", "failed")} if ok else {}
             m.update(rounds=len(ok), completed=sum(r.get("completed", 0) for r in runs),
                      failed=sum(r.get("failed", 0) for r in runs))
             out["online"][part][key] = m
@@ -487,6 +488,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS), help="where peers.md / peers.json go")
     ap.add_argument("--note", default="", help="a line for the report (e.g. 'measured while other work ran')")
     args = ap.parse_args()
+
+    def terminate(*_: object) -> None:
+        # A KeyboardInterrupt, not SystemExit (which a failed part is allowed to raise and be
+        # recorded): it unwinds through every `finally`, so each server's process group is stopped.
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     rounds = 1 if args.quick else args.rounds
