@@ -272,9 +272,13 @@ def run_offline(side: str, args: argparse.Namespace, model: Path, offline: list[
     spec_path, result_path = work / f"offline-{side}-spec.json", work / f"offline-{side}-r{rnd}.json"
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
-    # pdserve's engine.LLM runs with the environment as a user's script would (OpenMP's defaults);
-    # vLLM with its own settings (pinning, preloads) above.
     env = {**os.environ, **(vllm_env(args) if side == "vllm" else {**OFFLINE_ENV, "PYTHONPATH": str(REPO)})}
+    if side == "pdserve":
+        # pdserve's own default, which server/cli.py sets for every engine (`pdserve generate`
+        # included) but a bare `engine.LLM` script does not. With OpenMP's spinning default, the
+        # offline engine measured 5-20x slower on this 2-core host while other work ran.
+        # vLLM pins its engine thread itself (VLLM_CPU_OMP_THREADS_BIND).
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     log = work / f"offline-{side}-r{rnd}.log"
     logger.info("offline %s, round %d (log %s)", side, rnd + 1, log)
     with log.open("w") as f:
