@@ -359,7 +359,8 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], offline: list[Offlin
     L += ["## Offline throughput (output tok/s, higher is better)", "",
           f"`engine.LLM` vs `vllm.LLM`, one `generate` over all prompts (prompt lengths "
           f"{int(offline[0].mean_input * (1 - offline[0].ratio))}–{int(offline[0].mean_input * (1 + offline[0].ratio))} "
-          "tokens), greedy, `ignore_eos`, after a warm-up call; `max_num_seqs` = the largest workload on both sides.", "",
+          "tokens), greedy, `ignore_eos`, after a warm-up call; `max_num_seqs` = the largest workload on both sides; "
+          "pdserve with `OMP_WAIT_POLICY=PASSIVE` (its CLI's default), vLLM with its own thread binding.", "",
           "| prompts × output tokens | vLLM | pdserve | pdserve / vLLM |", "|---|---:|---:|---:|"]
     for wl in offline:
         v, p = off.get("vllm", {}).get(wl.name), off.get("pdserve", {}).get(wl.name)
