@@ -244,8 +244,10 @@ def run_server(sys_: System, parts: list[Online], tokenizer: Path, seed: int, lo
         wait_healthy(proc, port, timeout=startup_timeout)
         startup = time.monotonic() - t0
         for wl in parts:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{sys_.title} exited with {proc.returncode}")
+            if proc.poll() is not None:  # died in an earlier part: the parts measured so far still count
+                logger.error("%s exited with %s before %s:\n%s", sys_.title, proc.returncode, wl.key, tail(log))
+                out[wl.key] = {"completed": 0, "failed": 0, "error": f"server exited with {proc.returncode}"}
+                continue
             try:
                 # Warm-up of the same shape (other prompts, short outputs): first-request costs such as
                 # lazily compiled shapes and allocator growth are not part of the measurement, for anyone.
