@@ -321,8 +321,9 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         for key, runs in by_sys.items():
             ok = [r for r in runs if r.get("completed")]
             m = {k: median([r.get(k) for r in ok]) for k in KEPT if k not in ("completed", "failed")} if ok else {}
+            errors = [e for r in runs for e in (r.get("errors") or ([r["error"]] if r.get("error") else []))]
             m.update(rounds=len(ok), completed=sum(r.get("completed", 0) for r in runs),
-                     failed=sum(r.get("failed", 0) for r in runs))
+                     failed=sum(r.get("failed", 0) for r in runs), errors=list(dict.fromkeys(errors))[:3])
             out["online"][part][key] = m
     return out
 
@@ -390,6 +391,11 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], offline: list[Offlin
                 cells += [fmt(r.get(metric)), "" if same else ratio(r.get(metric), vl.get(metric))]
             L.append(f"| {titles[key]} | " + " | ".join(cells) +
                      f" | {fmt(r.get('p99_ttft_ms'))} | {fmt(r.get('mean_tpot_ms'))} | {r['completed']} / {r['failed']} |")
+        failing = [(titles[k], r) for k, r in res.items() if r.get("failed") or not r.get("rounds")]
+        if failing:
+            L += ["", "Failed requests (their rounds still count in the medians, over the requests that completed):", ""]
+            L += [f"- {title}: {r['failed']} of {r['completed'] + r['failed']} requests failed; "
+                  + "; ".join(f"`{e[:120]}`" for e in r.get("errors", [])) for title, r in failing]
         L.append("")
     L += targets(summary, offline)
     return "\n".join(L) + "\n"
@@ -494,7 +500,18 @@ def main() -> None:
     ap.add_argument("--work-dir", default=None, help="logs and the stripped checkpoint (default: a temp dir)")
     ap.add_argument("--out", default=str(RESULTS), help="where peers.md / peers.json go")
     ap.add_argument("--note", default="", help="a line for the report (e.g. 'measured while other work ran')")
+    ap.add_argument("--report-only", action="store_true", help="rewrite peers.md from peers.json, run nothing")
     args = ap.parse_args()
+    if args.report_only:
+        saved = json.loads((Path(args.out) / "peers.json").read_text())
+        meta = saved["meta"]
+        offline = [Offline(**w) for w in meta["workloads"]["offline"]]
+        online = {k: Online(**{**w, "systems": tuple(w["systems"])}) for k, w in meta["workloads"]["online"].items()}
+        titles = {k: s.title for k, s in systems(args, Path(), Path()).items()}
+        text = markdown(summarize(saved["rounds"]), meta, offline, online, titles)
+        (Path(args.out) / "peers.md").write_text(text)
+        print(text)
+        return
 
     def terminate(*_: object) -> None:
         # A KeyboardInterrupt, not SystemExit (which a failed part is allowed to raise and be
