@@ -452,9 +452,9 @@ def machine() -> str:
 def commit() -> str:
     try:
         rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10).stdout.strip()
+                             timeout=10, check=False).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
         return rev + ("+uncommitted changes" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -466,7 +466,7 @@ def versions(python: str, *dists: str) -> dict[str, str]:
             "def v(d):\n    try:\n        return m.version(d)\n    except m.PackageNotFoundError:\n        return None\n"
             "print(json.dumps({d: v(d) for d in sys.argv[1:]}))")
     try:
-        out = subprocess.run([python, "-c", code, *dists], capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run([python, "-c", code, *dists], capture_output=True, text=True, timeout=60, check=False).stdout
         return {d: v or "not installed" for d, v in json.loads(out).items()}
     except (OSError, subprocess.SubprocessError, ValueError):
         return {d: "unknown" for d in dists}
