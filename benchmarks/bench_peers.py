@@ -26,6 +26,7 @@ requests of the same shape, measured, and stopped by process group. Writes
     .venv/bin/python benchmarks/bench_peers.py          # 3 rounds, everything
     .venv/bin/python benchmarks/bench_peers.py --quick  # 1 round, few prompts: does it work
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,9 +51,9 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 
 from benchmarks import bench_serving  # noqa: E402
-from benchmarks.common import stop_process_group  # noqa: E402
 from benchmarks.compare import free_port, wait_healthy  # noqa: E402
 from engine.config import DEFAULT_MODEL_DIR  # noqa: E402
+from server.procs import stop_process_group  # noqa: E402
 
 logger = logging.getLogger("bench_peers")
 RESULTS = REPO / "benchmarks" / "results"
@@ -64,6 +65,7 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAG
 
 # -- the checkpoint -----------------------------------------------------------------------------
 
+
 def strip_mtp(src: Path, dst: Path) -> Path:
     """Copy a checkpoint without its MTP layers: `model.mtp_layers.*` tensors out of the safetensors
     file, `num_nextn_predict_layers` out of config.json, tokenizer and generation files as they are.
@@ -74,8 +76,8 @@ def strip_mtp(src: Path, dst: Path) -> Path:
     dst.mkdir(parents=True, exist_ok=True)
     data = (src / "model.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
-    body = data[8 + n:]
+    header = json.loads(data[8 : 8 + n])
+    body = data[8 + n :]
     meta = header.pop("__metadata__", None)
     keep = {k: v for k, v in header.items() if not k.startswith("model.mtp_layers.")}
     new_header: dict[str, Any] = {"__metadata__": meta} if meta is not None else {}
@@ -94,8 +96,15 @@ def strip_mtp(src: Path, dst: Path) -> Path:
     config = json.loads((src / "config.json").read_text())
     config.pop("num_nextn_predict_layers", None)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
-                 "vocab.json", "merges.txt", "tokenizer.model"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "special_tokens_map.json",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer.model",
+    ):
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
     logger.info("checkpoint without MTP: %s (%d of %d tensors)", dst, len(keep), len(header))
@@ -104,12 +113,13 @@ def strip_mtp(src: Path, dst: Path) -> Path:
 
 # -- workloads ----------------------------------------------------------------------------------
 
+
 @dataclass
 class Offline:
     name: str
     num_prompts: int
     max_tokens: int
-    mean_input: int = 128      # prompt lengths uniform in mean * (1 +- ratio): 12..244 tokens
+    mean_input: int = 128  # prompt lengths uniform in mean * (1 +- ratio): 12..244 tokens
     ratio: float = 0.9
 
 
@@ -120,25 +130,31 @@ class Online:
     concurrency: int
     input_len: int
     output_len: int
-    ratio: float               # bench's --random-range-ratio, on prompt and output lengths alike
+    ratio: float  # bench's --random-range-ratio, on prompt and output lengths alike
     systems: tuple[str, ...]
 
     def describe(self) -> str:
-        return (f"{self.num_prompts} requests, {self.concurrency} in flight, ~{self.input_len} prompt / "
-                f"~{self.output_len} output tokens (each +-{self.ratio:.0%}), streaming, greedy, ignore_eos")
+        return (
+            f"{self.num_prompts} requests, {self.concurrency} in flight, ~{self.input_len} prompt / "
+            f"~{self.output_len} output tokens (each +-{self.ratio:.0%}), streaming, greedy, ignore_eos"
+        )
 
 
 def workloads(quick: bool) -> tuple[list[Offline], dict[str, Online]]:
     all_systems = ("vllm", "colocated", "pd", "default")
     if quick:
         offline = [Offline("16x16", 16, 16), Offline("32x32", 32, 32)]
-        online = {"serving": Online("serving", 16, 16, 256, 32, 0.25, all_systems),
-                  "long": Online("long", 8, 8, 1536, 16, 0.2, all_systems)}
+        online = {
+            "serving": Online("serving", 16, 16, 256, 32, 0.25, all_systems),
+            "long": Online("long", 8, 8, 1536, 16, 0.2, all_systems),
+        }
     else:
         offline = [Offline("64x64", 64, 64), Offline("256x128", 256, 128)]
-        online = {"serving": Online("serving", 64, 16, 256, 128, 0.25, all_systems),
-                  # 1536 * 1.2 + 96 * 1.2 < 2048: every request fits the model's context.
-                  "long": Online("long", 32, 8, 1536, 96, 0.2, all_systems)}
+        online = {
+            "serving": Online("serving", 64, 16, 256, 128, 0.25, all_systems),
+            # 1536 * 1.2 + 96 * 1.2 < 2048: every request fits the model's context.
+            "long": Online("long", 32, 8, 1536, 96, 0.2, all_systems),
+        }
     return offline, online
 
 
@@ -152,17 +168,22 @@ def offline_prompts(model: Path, wl: Offline, seed: int) -> list[list[int]]:
 
 # -- systems ------------------------------------------------------------------------------------
 
+
 @dataclass
 class System:
     key: str
     title: str
-    side: str                 # "vllm" or "pdserve"
-    argv: list[str]           # complete but for the port
+    side: str  # "vllm" or "pdserve"
+    argv: list[str]  # complete but for the port
     env: dict[str, str] = field(default_factory=dict)
 
 
-TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
-            "/usr/lib64/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
+TCMALLOC = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+    "/usr/lib64/libtcmalloc_minimal.so.4",
+    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+)
 
 
 def vllm_preload(args: argparse.Namespace) -> str:
@@ -173,8 +194,10 @@ def vllm_preload(args: argparse.Namespace) -> str:
     it can). Whichever is missing is left out."""
     if args.vllm_preload == "none":
         return ""
-    libs = [next((p for p in TCMALLOC if Path(p).is_file()), None),
-            next((str(p) for p in (Path(args.vllm_venv) / "lib").glob("libiomp5.so")), None)]
+    libs = [
+        next((p for p in TCMALLOC if Path(p).is_file()), None),
+        next((str(p) for p in (Path(args.vllm_venv) / "lib").glob("libiomp5.so")), None),
+    ]
     return ":".join(p for p in libs if p)
 
 
@@ -183,7 +206,11 @@ def vllm_env(args: argparse.Namespace) -> dict[str, str]:
     # than any workload here needs, without vLLM's default of sizing it from the machine's memory
     # on a host shared with other work. Thread binding: vLLM's own default ("auto") pins the engine
     # to one core and leaves the other to the API server and scheduler, which is how a user gets it.
-    env = {**OFFLINE_ENV, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib), "VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_bind}
+    env = {
+        **OFFLINE_ENV,
+        "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": args.vllm_omp_bind,
+    }
     preload = vllm_preload(args)
     if preload:
         env["LD_PRELOAD"] = preload
@@ -195,50 +222,140 @@ def systems(args: argparse.Namespace, stripped: Path, original: Path) -> dict[st
     pdserve = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1"]
     pd_env = {**OFFLINE_ENV, "PYTHONPATH": str(REPO), "PDSERVE_LOG_LEVEL": "WARNING"}
     return {
-        "vllm": System("vllm", "vLLM", "vllm", [
-            vllm_py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(stripped),
-            "--served-model-name", "pdserve-tiny", "--host", "127.0.0.1", "--dtype", "float32",
-            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(args.max_num_seqs),
-            "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *args.vllm_arg], vllm_env(args)),
-        "colocated": System("colocated", "pdserve colocated, no spec", "pdserve", [
-            *pdserve, "--model", str(stripped), "--mode", "colocated", "--speculative-method", "none",
-            "--max-num-seqs", str(args.max_num_seqs)], pd_env),
-        "pd": System("pd", "pdserve PD, no spec", "pdserve", [
-            *pdserve, "--model", str(stripped), "--mode", "pd", "--speculative-method", "none",
-            "--max-num-seqs", str(args.max_num_seqs)], pd_env),
+        "vllm": System(
+            "vllm",
+            "vLLM",
+            "vllm",
+            [
+                vllm_py,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(stripped),
+                "--served-model-name",
+                "pdserve-tiny",
+                "--host",
+                "127.0.0.1",
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
+                "--max-num-seqs",
+                str(args.max_num_seqs),
+                "--disable-uvicorn-access-log",
+                "--uvicorn-log-level",
+                "warning",
+                *args.vllm_arg,
+            ],
+            vllm_env(args),
+        ),
+        "colocated": System(
+            "colocated",
+            "pdserve colocated, no spec",
+            "pdserve",
+            [
+                *pdserve,
+                "--model",
+                str(stripped),
+                "--mode",
+                "colocated",
+                "--speculative-method",
+                "none",
+                "--max-num-seqs",
+                str(args.max_num_seqs),
+            ],
+            pd_env,
+        ),
+        "pd": System(
+            "pd",
+            "pdserve PD, no spec",
+            "pdserve",
+            [
+                *pdserve,
+                "--model",
+                str(stripped),
+                "--mode",
+                "pd",
+                "--speculative-method",
+                "none",
+                "--max-num-seqs",
+                str(args.max_num_seqs),
+            ],
+            pd_env,
+        ),
         # `make serve`: `pdserve serve` with no flags, i.e. PD + MTP on the checkpoint with its MTP layer.
-        "default": System("default", "pdserve default (PD + MTP)", "pdserve", [
-            *pdserve, "--model", str(original)], pd_env),
+        "default": System(
+            "default", "pdserve default (PD + MTP)", "pdserve", [*pdserve, "--model", str(original)], pd_env
+        ),
     }
 
 
 # -- running ------------------------------------------------------------------------------------
 
-def bench_flags(wl: Online, port: int, tokenizer: Path, seed: int, num_prompts: int | None = None,
-                output_len: int | None = None) -> list[str]:
-    return ["--port", str(port), "--tokenizer", str(tokenizer), "--dataset-name", "random",
-            "--num-prompts", str(num_prompts or wl.num_prompts), "--max-concurrency", str(wl.concurrency),
-            "--random-input-len", str(wl.input_len), "--random-output-len", str(output_len or wl.output_len),
-            "--random-range-ratio", str(wl.ratio), "--request-rate", "inf", "--seed", str(seed),
-            "--ignore-eos", "--percentiles", "50,99", "--disable-tqdm",
-            # Bounded: no request may hang a run; a hung one counts as failed.
-            "--request-timeout", "300", "--stall-timeout", "60"]
+
+def bench_flags(
+    wl: Online, port: int, tokenizer: Path, seed: int, num_prompts: int | None = None, output_len: int | None = None
+) -> list[str]:
+    return [
+        "--port",
+        str(port),
+        "--tokenizer",
+        str(tokenizer),
+        "--dataset-name",
+        "random",
+        "--num-prompts",
+        str(num_prompts or wl.num_prompts),
+        "--max-concurrency",
+        str(wl.concurrency),
+        "--random-input-len",
+        str(wl.input_len),
+        "--random-output-len",
+        str(output_len or wl.output_len),
+        "--random-range-ratio",
+        str(wl.ratio),
+        "--request-rate",
+        "inf",
+        "--seed",
+        str(seed),
+        "--ignore-eos",
+        "--percentiles",
+        "50,99",
+        "--disable-tqdm",
+        # Bounded: no request may hang a run; a hung one counts as failed.
+        "--request-timeout",
+        "300",
+        "--stall-timeout",
+        "60",
+    ]
 
 
-KEPT = ("output_throughput", "p50_itl_ms", "p99_itl_ms", "p50_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
-        "request_throughput", "duration", "completed", "failed", "total_output_tokens")
+KEPT = (
+    "output_throughput",
+    "p50_itl_ms",
+    "p99_itl_ms",
+    "p50_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "request_throughput",
+    "duration",
+    "completed",
+    "failed",
+    "total_output_tokens",
+)
 
 
-def run_server(sys_: System, parts: list[Online], tokenizer: Path, seed: int, log: Path,
-               startup_timeout: float) -> dict[str, dict]:
+def run_server(
+    sys_: System, parts: list[Online], tokenizer: Path, seed: int, log: Path, startup_timeout: float
+) -> dict[str, dict]:
     """Start one server, warm it up and measure each workload part once, stop it."""
     port = free_port()
     argv = [*sys_.argv, "--port", str(port)]
     logger.info("starting %s: %s", sys_.title, " ".join(argv))
     t0 = time.monotonic()
     with log.open("w") as f:
-        proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **sys_.env}, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, cwd=REPO, env={**os.environ, **sys_.env}, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
     out: dict[str, dict] = {}
     try:
         wait_healthy(proc, port, timeout=startup_timeout)
@@ -251,8 +368,11 @@ def run_server(sys_: System, parts: list[Online], tokenizer: Path, seed: int, lo
             try:
                 # Warm-up of the same shape (other prompts, short outputs): first-request costs such as
                 # lazily compiled shapes and allocator growth are not part of the measurement, for anyone.
-                bench_serving.benchmark(bench_serving.parse_args(
-                    bench_flags(wl, port, tokenizer, seed + 1000, num_prompts=wl.concurrency, output_len=8)))
+                bench_serving.benchmark(
+                    bench_serving.parse_args(
+                        bench_flags(wl, port, tokenizer, seed + 1000, num_prompts=wl.concurrency, output_len=8)
+                    )
+                )
                 print(f"\n### {sys_.title}: {wl.key} ({wl.describe()})", flush=True)
                 r = bench_serving.benchmark(bench_serving.parse_args(bench_flags(wl, port, tokenizer, seed)))
                 out[wl.key] = {k: r[k] for k in KEPT} | {"startup_s": startup, "errors": r["errors"][:3]}
@@ -264,13 +384,25 @@ def run_server(sys_: System, parts: list[Online], tokenizer: Path, seed: int, lo
         stop_process_group(proc)
 
 
-def run_offline(side: str, args: argparse.Namespace, model: Path, offline: list[Offline],
-                prompts: dict[str, list[list[int]]], work: Path, rnd: int) -> dict[str, Any]:
+def run_offline(
+    side: str,
+    args: argparse.Namespace,
+    model: Path,
+    offline: list[Offline],
+    prompts: dict[str, list[list[int]]],
+    work: Path,
+    rnd: int,
+) -> dict[str, Any]:
     python = str(Path(args.vllm_venv) / "bin" / "python") if side == "vllm" else sys.executable
-    spec = {"engine": side, "model": str(model), "dtype": "float32", "max_model_len": MAX_MODEL_LEN,
-            # One batch holds every prompt on both sides (pdserve's bench_offline does the same).
-            "max_num_seqs": max(wl.num_prompts for wl in offline),
-            "workloads": [{"name": wl.name, "prompts": prompts[wl.name], "max_tokens": wl.max_tokens} for wl in offline]}
+    spec = {
+        "engine": side,
+        "model": str(model),
+        "dtype": "float32",
+        "max_model_len": MAX_MODEL_LEN,
+        # One batch holds every prompt on both sides (pdserve's bench_offline does the same).
+        "max_num_seqs": max(wl.num_prompts for wl in offline),
+        "workloads": [{"name": wl.name, "prompts": prompts[wl.name], "max_tokens": wl.max_tokens} for wl in offline],
+    }
     spec_path, result_path = work / f"offline-{side}-spec.json", work / f"offline-{side}-r{rnd}.json"
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
@@ -284,12 +416,18 @@ def run_offline(side: str, args: argparse.Namespace, model: Path, offline: list[
     log = work / f"offline-{side}-r{rnd}.log"
     logger.info("offline %s, round %d (log %s)", side, rnd + 1, log)
     with log.open("w") as f:
-        proc = subprocess.Popen([python, str(REPO / "benchmarks" / "peers_offline.py"), str(spec_path), str(result_path)],
-                                cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [python, str(REPO / "benchmarks" / "peers_offline.py"), str(spec_path), str(result_path)],
+            cwd=REPO,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         rc = proc.wait(args.offline_timeout)
     except subprocess.TimeoutExpired:
-        raise TimeoutError(f"offline {side} still running after {args.offline_timeout:.0f} s (log {log})")
+        raise TimeoutError(f"offline {side} still running after {args.offline_timeout:.0f} s (log {log})") from None
     finally:
         stop_process_group(proc)
     if rc != 0 or not result_path.is_file():
@@ -305,6 +443,7 @@ def tail(path: Path, lines: int = 15) -> str:
 
 
 # -- summary ------------------------------------------------------------------------------------
+
 
 def median(values: list[float]) -> float | None:
     values = [v for v in values if v is not None]
@@ -322,8 +461,12 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             ok = [r for r in runs if r.get("completed")]
             m = {k: median([r.get(k) for r in ok]) for k in KEPT if k not in ("completed", "failed")} if ok else {}
             errors = [e for r in runs for e in (r.get("errors") or ([r["error"]] if r.get("error") else []))]
-            m.update(rounds=len(ok), completed=sum(r.get("completed", 0) for r in runs),
-                     failed=sum(r.get("failed", 0) for r in runs), errors=list(dict.fromkeys(errors))[:3])
+            m.update(
+                rounds=len(ok),
+                completed=sum(r.get("completed", 0) for r in runs),
+                failed=sum(r.get("failed", 0) for r in runs),
+                errors=list(dict.fromkeys(errors))[:3],
+            )
             out["online"][part][key] = m
     return out
 
@@ -336,35 +479,50 @@ def ratio(a: float | None, b: float | None) -> str:
     return "—" if a is None or not b else f"{a / b:.2f}×"
 
 
-def markdown(summary: dict[str, Any], meta: dict[str, Any], offline: list[Offline], online: dict[str, Online],
-             titles: dict[str, str]) -> str:
-    L = ["# pdserve vs vLLM on the same machine", "",
-         f"Generated by `{meta['command']}` on {meta['date']} (UTC), commit `{meta['commit']}`.", "",
-         f"- machine: {meta['machine']}; load average at start / end: {meta['load_start']} / {meta['load_end']}",
-         f"- vLLM: `vllm-cpu` {meta['vllm_version']} (torch {meta['vllm_torch']}) in its own venv "
-         "(`scripts/install_vllm_cpu.sh`); pdserve: this checkout, torch "
-         f"{meta['pdserve_torch']}",
-         f"- checkpoint: `{meta['model']}` in fp32; vLLM and the no-spec pdserve rows get a copy without the MTP "
-         "tensors, `make serve`'s default (PD + MTP) the original",
-         f"- {meta['rounds']} round(s); pdserve and vLLM alternate, order flipped each round; every number is the "
-         "median over rounds; `peers.json` keeps each round's values",
-         f"- vLLM server: `{meta['vllm_flags']}`, env `{meta['vllm_env']}`",
-         f"- pdserve servers: `pdserve serve` defaults ({meta['pdserve_flags']}); PD: 1 prefill + 1 decode engine, "
-         "1 torch thread each; colocated: 1 engine, 2 threads",
-         "- serving metrics are `pdserve bench`'s (vLLM `bench serve` definitions, client side): TTFT to the "
-         "first streamed chunk, ITL between chunks (an MTP chunk can carry several tokens); each measured run "
-         "follows a short unrecorded warm-up of the same shape", ""]
+def markdown(
+    summary: dict[str, Any],
+    meta: dict[str, Any],
+    offline: list[Offline],
+    online: dict[str, Online],
+    titles: dict[str, str],
+) -> str:
+    L = [
+        "# pdserve vs vLLM on the same machine",
+        "",
+        f"Generated by `{meta['command']}` on {meta['date']} (UTC), commit `{meta['commit']}`.",
+        "",
+        f"- machine: {meta['machine']}; load average at start / end: {meta['load_start']} / {meta['load_end']}",
+        f"- vLLM: `vllm-cpu` {meta['vllm_version']} (torch {meta['vllm_torch']}) in its own venv "
+        "(`scripts/install_vllm_cpu.sh`); pdserve: this checkout, torch "
+        f"{meta['pdserve_torch']}",
+        f"- checkpoint: `{meta['model']}` in fp32; vLLM and the no-spec pdserve rows get a copy without the MTP "
+        "tensors, `make serve`'s default (PD + MTP) the original",
+        f"- {meta['rounds']} round(s); pdserve and vLLM alternate, order flipped each round; every number is the "
+        "median over rounds; `peers.json` keeps each round's values",
+        f"- vLLM server: `{meta['vllm_flags']}`, env `{meta['vllm_env']}`",
+        f"- pdserve servers: `pdserve serve` defaults ({meta['pdserve_flags']}); PD: 1 prefill + 1 decode engine, "
+        "1 torch thread each; colocated: 1 engine, 2 threads",
+        "- serving metrics are `pdserve bench`'s (vLLM `bench serve` definitions, client side): TTFT to the "
+        "first streamed chunk, ITL between chunks (an MTP chunk can carry several tokens); each measured run "
+        "follows a short unrecorded warm-up of the same shape",
+        "",
+    ]
     if meta.get("quick"):
         L += ["**Smoke run (`--quick`): 1 round of small workloads; not a result.**", ""]
     if meta.get("note"):
         L += [f"**{meta['note']}**", ""]
     off = summary["offline"]
-    L += ["## Offline throughput (output tok/s, higher is better)", "",
-          f"`engine.LLM` vs `vllm.LLM`, one `generate` over all prompts (prompt lengths "
-          f"{int(offline[0].mean_input * (1 - offline[0].ratio))}–{int(offline[0].mean_input * (1 + offline[0].ratio))} "
-          "tokens), greedy, `ignore_eos`, after a warm-up call; `max_num_seqs` = the largest workload on both sides; "
-          "pdserve with `OMP_WAIT_POLICY=PASSIVE` (its CLI's default), vLLM with its own thread binding.", "",
-          "| prompts × output tokens | vLLM | pdserve | pdserve / vLLM |", "|---|---:|---:|---:|"]
+    L += [
+        "## Offline throughput (output tok/s, higher is better)",
+        "",
+        f"`engine.LLM` vs `vllm.LLM`, one `generate` over all prompts (prompt lengths "
+        f"{int(offline[0].mean_input * (1 - offline[0].ratio))}–{int(offline[0].mean_input * (1 + offline[0].ratio))} "
+        "tokens), greedy, `ignore_eos`, after a warm-up call; `max_num_seqs` = the largest workload on both sides; "
+        "pdserve with `OMP_WAIT_POLICY=PASSIVE` (its CLI's default), vLLM with its own thread binding.",
+        "",
+        "| prompts × output tokens | vLLM | pdserve | pdserve / vLLM |",
+        "|---|---:|---:|---:|",
+    ]
     for wl in offline:
         v, p = off.get("vllm", {}).get(wl.name), off.get("pdserve", {}).get(wl.name)
         L.append(f"| {wl.num_prompts} × {wl.max_tokens} | {fmt(v, '.0f')} | {fmt(p, '.0f')} | {ratio(p, v)} |")
@@ -372,30 +530,46 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], offline: list[Offlin
     for part, wl in online.items():
         res = summary["online"].get(part, {})
         vl = res.get("vllm", {})
-        L += [f"## {'Serving' if part == 'serving' else 'Long prompts'}: {wl.describe()}", "",
-              "Ratios are pdserve / vLLM: above 1 is better for throughput, below 1 is better for latency.", "",
-              "| server | output tok/s | ratio | ITL p50 (ms) | ratio | ITL p99 (ms) | ratio | TTFT p50 (ms) | ratio | "
-              "TTFT p99 (ms) | TPOT mean (ms) | ok / failed |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        L += [
+            f"## {'Serving' if part == 'serving' else 'Long prompts'}: {wl.describe()}",
+            "",
+            "Ratios are pdserve / vLLM: above 1 is better for throughput, below 1 is better for latency.",
+            "",
+            "| server | output tok/s | ratio | ITL p50 (ms) | ratio | ITL p99 (ms) | ratio | TTFT p50 (ms) | ratio | "
+            "TTFT p99 (ms) | TPOT mean (ms) | ok / failed |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for key in wl.systems:
             r = res.get(key)
             if r is None:
                 L.append(f"| {titles[key]} | not run |" + " |" * 10)
                 continue
             if not r.get("rounds"):
-                L.append(f"| {titles[key]} | failed (see `peers.json`) |" + " |" * 9 + f" {r['completed']} / {r['failed']} |")
+                L.append(
+                    f"| {titles[key]} | failed (see `peers.json`) |" + " |" * 9 + f" {r['completed']} / {r['failed']} |"
+                )
                 continue
             same = key == "vllm"
             cells = []
             for metric in ("output_throughput", "p50_itl_ms", "p99_itl_ms", "p50_ttft_ms"):
                 cells += [fmt(r.get(metric)), "" if same else ratio(r.get(metric), vl.get(metric))]
-            L.append(f"| {titles[key]} | " + " | ".join(cells) +
-                     f" | {fmt(r.get('p99_ttft_ms'))} | {fmt(r.get('mean_tpot_ms'))} | {r['completed']} / {r['failed']} |")
+            L.append(
+                f"| {titles[key]} | "
+                + " | ".join(cells)
+                + f" | {fmt(r.get('p99_ttft_ms'))} | {fmt(r.get('mean_tpot_ms'))} | {r['completed']} / {r['failed']} |"
+            )
         failing = [(titles[k], r) for k, r in res.items() if r.get("failed") or not r.get("rounds")]
         if failing:
-            L += ["", "Failed requests (their rounds still count in the medians, over the requests that completed):", ""]
-            L += [f"- {title}: {r['failed']} of {r['completed'] + r['failed']} requests failed; "
-                  + "; ".join(f"`{e[:120]}`" for e in r.get("errors", [])) for title, r in failing]
+            L += [
+                "",
+                "Failed requests (their rounds still count in the medians, over the requests that completed):",
+                "",
+            ]
+            L += [
+                f"- {title}: {r['failed']} of {r['completed'] + r['failed']} requests failed; "
+                + "; ".join(f"`{e[:120]}`" for e in r.get("errors", []))
+                for title, r in failing
+            ]
         L.append("")
     L += targets(summary, offline)
     return "\n".join(L) + "\n"
@@ -407,29 +581,48 @@ def targets(summary: dict[str, Any], offline: list[Offline]) -> list[str]:
     off = summary["offline"]
     for wl in offline:
         p, v = off.get("pdserve", {}).get(wl.name), off.get("vllm", {}).get(wl.name)
-        rows.append((f"offline {wl.name}: pdserve / vLLM ≥ 1.2×", ratio(p, v), None if p is None or not v else p / v >= 1.2))
+        rows.append(
+            (f"offline {wl.name}: pdserve / vLLM ≥ 1.2×", ratio(p, v), None if p is None or not v else p / v >= 1.2)
+        )
     srv = summary["online"].get("serving", {})
     v = srv.get("vllm", {})
     for key, title in (("colocated", "colocated"), ("pd", "PD")):
         r = srv.get(key, {})
         tp, itl = r.get("output_throughput"), r.get("p50_itl_ms")
-        ok = None if None in (tp, itl, v.get("output_throughput"), v.get("p50_itl_ms")) else \
-            tp >= v["output_throughput"] and itl <= v["p50_itl_ms"]
-        rows.append((f"serving, {title} no spec: tok/s ≥ 1.0× vLLM and ITL p50 ≤ vLLM's",
-                     f"{ratio(tp, v.get('output_throughput'))} tok/s, {ratio(itl, v.get('p50_itl_ms'))} ITL p50", ok))
+        ok = (
+            None
+            if None in (tp, itl, v.get("output_throughput"), v.get("p50_itl_ms"))
+            else tp >= v["output_throughput"] and itl <= v["p50_itl_ms"]
+        )
+        rows.append(
+            (
+                f"serving, {title} no spec: tok/s ≥ 1.0× vLLM and ITL p50 ≤ vLLM's",
+                f"{ratio(tp, v.get('output_throughput'))} tok/s, {ratio(itl, v.get('p50_itl_ms'))} ITL p50",
+                ok,
+            )
+        )
     lg = summary["online"].get("long", {})
     v, r = lg.get("vllm", {}), lg.get("pd", {})
     ttft, itl = r.get("p50_ttft_ms"), r.get("p99_itl_ms")
-    ok = None if None in (ttft, itl, v.get("p50_ttft_ms"), v.get("p99_itl_ms")) else \
-        ttft <= v["p50_ttft_ms"] and itl < v["p99_itl_ms"]
-    rows.append(("long, PD no spec: TTFT p50 ≤ 1.0× vLLM's and ITL p99 below vLLM's",
-                 f"{ratio(ttft, v.get('p50_ttft_ms'))} TTFT p50, {ratio(itl, v.get('p99_itl_ms'))} ITL p99", ok))
+    ok = (
+        None
+        if None in (ttft, itl, v.get("p50_ttft_ms"), v.get("p99_itl_ms"))
+        else ttft <= v["p50_ttft_ms"] and itl < v["p99_itl_ms"]
+    )
+    rows.append(
+        (
+            "long, PD no spec: TTFT p50 ≤ 1.0× vLLM's and ITL p99 below vLLM's",
+            f"{ratio(ttft, v.get('p50_ttft_ms'))} TTFT p50, {ratio(itl, v.get('p99_itl_ms'))} ITL p99",
+            ok,
+        )
+    )
     out = ["## Issue 11 targets", "", "| target | measured | met |", "|---|---|---|"]
     out += [f"| {t} | {m} | {'—' if ok is None else 'yes' if ok else 'no'} |" for t, m, ok in rows]
     return out + [""]
 
 
 # -- metadata -----------------------------------------------------------------------------------
+
 
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
@@ -451,10 +644,20 @@ def machine() -> str:
 
 def commit() -> str:
     try:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10, check=False).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
         return rev + ("+uncommitted changes" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -462,11 +665,15 @@ def commit() -> str:
 
 def versions(python: str, *dists: str) -> dict[str, str]:
     """Installed versions of `dists` in another interpreter (without importing them here)."""
-    code = ("import importlib.metadata as m, json, sys\n"
-            "def v(d):\n    try:\n        return m.version(d)\n    except m.PackageNotFoundError:\n        return None\n"
-            "print(json.dumps({d: v(d) for d in sys.argv[1:]}))")
+    code = (
+        "import importlib.metadata as m, json, sys\n"
+        "def v(d):\n    try:\n        return m.version(d)\n    except m.PackageNotFoundError:\n        return None\n"
+        "print(json.dumps({d: v(d) for d in sys.argv[1:]}))"
+    )
     try:
-        out = subprocess.run([python, "-c", code, *dists], capture_output=True, text=True, timeout=60, check=False).stdout
+        out = subprocess.run(
+            [python, "-c", code, *dists], capture_output=True, text=True, timeout=60, check=False
+        ).stdout
         return {d: v or "not installed" for d, v in json.loads(out).items()}
     except (OSError, subprocess.SubprocessError, ValueError):
         return {d: "unknown" for d in dists}
@@ -478,12 +685,19 @@ def load() -> str:
 
 # -- main ---------------------------------------------------------------------------------------
 
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="checkpoint with MTP layers (default: bundled)")
-    ap.add_argument("--vllm-venv", default=str(DEFAULT_VLLM_VENV),
-                    help="venv made by scripts/install_vllm_cpu.sh [PDSERVE_VLLM_VENV]")
+    ap.add_argument(
+        "--vllm-venv",
+        default=str(DEFAULT_VLLM_VENV),
+        help="venv made by scripts/install_vllm_cpu.sh [PDSERVE_VLLM_VENV]",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 round, few prompts, short outputs")
     ap.add_argument("--parts", default="offline,serving,long", help="comma-separated subset of offline,serving,long")
@@ -491,8 +705,12 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64, help="servers' request slots (pdserve's default)")
     ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--vllm-omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
-    ap.add_argument("--vllm-preload", choices=("auto", "none"), default="auto",
-                    help="auto: LD_PRELOAD tcmalloc + libiomp5 for vLLM where found (vLLM's CPU recommendation)")
+    ap.add_argument(
+        "--vllm-preload",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: LD_PRELOAD tcmalloc + libiomp5 for vLLM where found (vLLM's CPU recommendation)",
+    )
     ap.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM server flag (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a server to become healthy")
@@ -539,15 +757,25 @@ def main() -> None:
     vllm_versions = versions(str(vllm_py), "vllm-cpu", "torch")
     meta: dict[str, Any] = {
         "command": "python benchmarks/bench_peers.py " + " ".join(sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": commit(), "machine": machine(),
-        "load_start": load(), "model": str(original), "rounds": rounds, "quick": args.quick, "note": args.note,
-        "vllm_version": vllm_versions["vllm-cpu"], "vllm_torch": vllm_versions["torch"],
+        "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "commit": commit(),
+        "machine": machine(),
+        "load_start": load(),
+        "model": str(original),
+        "rounds": rounds,
+        "quick": args.quick,
+        "note": args.note,
+        "vllm_version": vllm_versions["vllm-cpu"],
+        "vllm_torch": vllm_versions["torch"],
         "pdserve_torch": versions(sys.executable, "torch")["torch"],
         "vllm_flags": " ".join(srvs["vllm"].argv[5:]),  # after python -m MODULE --model DIR
-        "vllm_env": " ".join(f"{k}={v}" for k, v in vllm_env(args).items() if k.startswith("VLLM_CPU") or k == "LD_PRELOAD"),
+        "vllm_env": " ".join(
+            f"{k}={v}" for k, v in vllm_env(args).items() if k.startswith("VLLM_CPU") or k == "LD_PRELOAD"
+        ),
         "pdserve_flags": f"max-num-seqs {args.max_num_seqs}, max-model-len {MAX_MODEL_LEN}, fp32, prefix caching on",
         "workloads": {"offline": [vars(w) for w in offline], "online": {k: vars(w) for k, w in online.items()}},
-        "work_dir": str(work)}
+        "work_dir": str(work),
+    }
     raw: dict[str, Any] = {"offline": {}, "online": {}, "errors": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -562,12 +790,14 @@ def main() -> None:
         flip = rnd % 2 == 1  # even rounds: vLLM first; odd rounds: pdserve first
         logger.info("round %d of %d", rnd + 1, rounds)
         if "offline" in parts:
-            for side in (["pdserve", "vllm"] if flip else ["vllm", "pdserve"]):
+            for side in ["pdserve", "vllm"] if flip else ["vllm", "pdserve"]:
                 model = stripped
                 try:
                     res = run_offline(side, args, model, offline, prompts, work, rnd)
                     for name, r in res["workloads"].items():
-                        raw["offline"].setdefault(side, {}).setdefault(name, []).append(r | {"startup_s": res["startup_s"]})
+                        raw["offline"].setdefault(side, {}).setdefault(name, []).append(
+                            r | {"startup_s": res["startup_s"]}
+                        )
                 except Exception as e:  # report the rest of the run anyway
                     logger.error("offline %s failed: %s", side, e)
                     raw["errors"].append(f"round {rnd + 1}, offline {side}: {e}")
@@ -586,8 +816,9 @@ def main() -> None:
                 logger.error("%s failed: %s\n%s", srvs[key].title, e, tail(log))
                 raw["errors"].append(f"round {rnd + 1}, {key}: {e}")
                 for wl in run_parts:
-                    raw["online"].setdefault(wl.key, {}).setdefault(key, []).append({"completed": 0, "failed": 0,
-                                                                                     "error": str(e)})
+                    raw["online"].setdefault(wl.key, {}).setdefault(key, []).append(
+                        {"completed": 0, "failed": 0, "error": str(e)}
+                    )
         write()  # after every round: an interrupted run still leaves its rounds so far
     print((out / "peers.md").read_text())
     logger.info("logs and the stripped checkpoint: %s", work)
