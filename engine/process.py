@@ -5,6 +5,7 @@ update (one engine step) -> send (tokens to the server, KV hand-offs) -> houseke
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -37,7 +38,7 @@ class EngineProcess:
         if role not in ("colocated", "prefill", "decode"):
             raise ValueError(f"role must be colocated, prefill or decode, got {role!r}")
         self.role, self.name = role, name
-        self.core = EngineCore(config)
+        self.core = EngineCore(dataclasses.replace(config, instance_name=name))
         self.zmq = zmq.Context()
         # One DEALER to the front end's ROUTER, identified by our name: requests come in, tokens and
         # heartbeats go out. Engines connect to the front end, so it discovers them by their heartbeats
@@ -206,6 +207,9 @@ class EngineProcess:
                          "spec_decode_num_accepted_tokens_total": spec.num_accepted_tokens})
         for pos, n in enumerate(spec.accepted_per_pos):
             counters[f"spec_decode_num_accepted_tokens_per_pos_total{{position={pos}}}"] = n
+        if self.core.runner.drafter is not None:  # steps by the number of drafts the policy chose
+            counters.update({f"spec_decode_num_steps_by_k_total{{k={k}}}": n
+                             for k, n in enumerate(self.core.runner.spec_policy.chosen_k_counts)})
         for part in (self.sender, self.receiver):
             if part is not None:
                 counters.update(part.stats.as_counters())

@@ -1,0 +1,147 @@
+"""How many draft tokens to propose each step (0..K), so that speculation never slows serving.
+
+Expected tokens per request-step with k drafts is ``E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i``
+where ``a_i`` is the acceptance rate of draft ``i`` given drafts ``1..i-1`` were accepted
+(an EWMA over verified drafts). A step's cost ``C(b, k)`` -- verifying ``b * (1 + k)`` tokens
+plus drafting ``k`` -- is measured online from the runner's own step timings, per batch-size
+bucket, plus the time the engine spends outside the runner between steps. The policy picks the
+k that maximises ``E(k) / C(b, k)`` (tokens per second; ``b`` cancels). Ideas from vLLM's
+disable-by-batch-size and from goodput-based SmartSpec, but measured rather than configured:
+on a CPU a verify step's cost grows with its rows, so the best k depends on the batch.
+
+Every k of a bucket is first held for a few steps to measure it (warm-up), and the bucket
+re-measures its least recently timed k every `explore_every` steps, so a changed machine load
+or workload is noticed. Acceptance is only observed while drafting; a k=0 regime keeps its
+old estimate until the next exploration.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+class SpecPolicyMode(enum.StrEnum):
+    ADAPTIVE = "adaptive"
+    FIXED = "fixed"
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Buckets of similar cost: exact up to 4, then halfway points between powers of two."""
+    if batch_size <= 4:
+        return batch_size
+    p = 1 << (batch_size.bit_length() - 1)
+    return p if batch_size < p + p // 2 else p + p // 2
+
+
+@dataclass
+class Ewma:
+    value: float
+    count: int = 0
+
+    def update(self, x: float, alpha: float) -> None:
+        self.value = x if self.count == 0 else self.value + alpha * (x - self.value)
+        self.count += 1
+
+
+@dataclass
+class BucketCosts:
+    """Step seconds per k for one batch-size bucket."""
+
+    steps: list[Ewma]
+    last_measured: list[int]          # decision counter when each k was last timed
+    decisions: int = 0
+
+
+@dataclass
+class SpecPolicy:
+    num_spec: int
+    mode: SpecPolicyMode = SpecPolicyMode.ADAPTIVE
+    prior_acceptance: float = 0.5
+    acceptance_alpha: float = 0.01    # per verified draft
+    cost_alpha: float = 0.2           # per timed step
+    warmup_samples: int = 3           # timed steady-state steps per k before exploiting
+    hold_steps: int = 3               # an exploration holds k this long past the transition step
+    explore_every: int = 200          # decisions per bucket between re-measurements
+    acceptance: list[Ewma] = field(default_factory=list)
+    buckets: dict[int, BucketCosts] = field(default_factory=dict)
+    overhead: Ewma = field(default_factory=lambda: Ewma(0.0))
+    chosen_k_counts: list[int] = field(default_factory=list)  # decisions per k (exported as a metric)
+    _exploring: tuple[int, int, int] | None = None            # (bucket, k, steps left)
+
+    def __post_init__(self) -> None:
+        self.acceptance = [Ewma(self.prior_acceptance) for _ in range(self.num_spec)]
+        self.chosen_k_counts = [0] * (self.num_spec + 1)
+
+    # -- observations ----------------------------------------------------------------------
+
+    def record_acceptance(self, num_drafts: list[int], num_accepted: list[int]) -> None:
+        """One verify step: row r verified num_drafts[r] drafts and accepted num_accepted[r]."""
+        for i in range(self.num_spec):
+            seen = [m > i for k, m in zip(num_drafts, num_accepted) if k > i and m >= i]
+            if seen:  # a batch of n observations weighs like n single updates
+                alpha = 1 - (1 - self.acceptance_alpha) ** len(seen)
+                self.acceptance[i].update(sum(seen) / len(seen), alpha)
+
+    def record_step(self, batch_size: int, k: int, seconds: float) -> None:
+        """A steady-state decode step: every row verified k drafts and proposed k for the next."""
+        costs = self._bucket(batch_size)
+        costs.steps[k].update(seconds, self.cost_alpha)
+        costs.last_measured[k] = costs.decisions
+
+    def record_overhead(self, seconds: float) -> None:
+        """Engine time between two runner steps (scheduling, output processing)."""
+        self.overhead.update(seconds, 0.05)
+
+    # -- the decision ----------------------------------------------------------------------
+
+    def expected_tokens(self, k: int) -> float:
+        total, run = 1.0, 1.0
+        for i in range(k):
+            run *= self.acceptance[i].value
+            total += run
+        return total
+
+    def choose(self, batch_size: int) -> int:
+        k = self.num_spec if self.mode is SpecPolicyMode.FIXED or batch_size == 0 else self._adaptive(batch_size)
+        self.chosen_k_counts[k] += 1
+        return k
+
+    def _adaptive(self, batch_size: int) -> int:
+        bucket = batch_bucket(batch_size)
+        costs = self._bucket(batch_size)
+        costs.decisions += 1
+        if self._exploring is not None and self._exploring[0] == bucket and self._exploring[2] > 0:
+            _, k, left = self._exploring
+            self._exploring = (bucket, k, left - 1)
+            return k
+        unmeasured = [k for k in range(self.num_spec, -1, -1) if costs.steps[k].count < self.warmup_samples]
+        stale = min(range(self.num_spec + 1), key=lambda k: costs.last_measured[k])
+        if unmeasured or costs.decisions - costs.last_measured[stale] > self.explore_every:
+            k = unmeasured[0] if unmeasured else stale
+            self._exploring = (bucket, k, self.hold_steps)
+            return k
+        return self.best_k(costs)
+
+    def best_k(self, costs: BucketCosts) -> int:
+        overhead = self.overhead.value
+        rates = [self.expected_tokens(k) / (costs.steps[k].value + overhead) for k in range(self.num_spec + 1)]
+        return max(range(self.num_spec + 1), key=rates.__getitem__)
+
+    def _bucket(self, batch_size: int) -> BucketCosts:
+        bucket = batch_bucket(batch_size)
+        costs = self.buckets.get(bucket)
+        if costs is None:
+            costs = BucketCosts([Ewma(0.0) for _ in range(self.num_spec + 1)], [0] * (self.num_spec + 1))
+            self.buckets[bucket] = costs
+        return costs
+
+    def summary(self) -> str:
+        acc = " ".join(f"{a.value:.2f}" for a in self.acceptance)
+        parts = []
+        for bucket, costs in sorted(self.buckets.items()):
+            ms = " ".join(f"{c.value * 1e3:.1f}" for c in costs.steps)
+            parts.append(f"b{bucket}: [{ms}] ms -> k={self.best_k(costs)}")
+        return f"acceptance [{acc}]; " + "; ".join(parts)
