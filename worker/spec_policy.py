@@ -64,7 +64,9 @@ class SpecPolicy:
     cost_alpha: float = 0.2           # per timed step
     warmup_samples: int = 3           # timed steady-state steps per k before exploiting
     hold_steps: int = 3               # an exploration holds k this long past the transition step
-    explore_every: int = 200          # decisions per bucket between re-measurements
+    explore_every: int = 500          # decisions per bucket between re-measurements
+    settle_decisions: int = 16        # decisions at a bucket before it is measured for itself
+    margin: float = 1.03              # how much faster drafting must look than not drafting
     acceptance: list[Ewma] = field(default_factory=list)
     buckets: dict[int, BucketCosts] = field(default_factory=dict)
     overhead: Ewma = field(default_factory=lambda: Ewma(0.0))
@@ -117,18 +119,46 @@ class SpecPolicy:
             _, k, left = self._exploring
             self._exploring = (bucket, k, left - 1)
             return k
+        estimates = self.cost_estimates(bucket)
         unmeasured = [k for k in range(self.num_spec, -1, -1) if costs.steps[k].count < self.warmup_samples]
+        # A bucket passed through briefly (a batch draining) decides from its neighbours' timings;
+        # one that keeps coming back, or one nothing is known about, gets measured.
+        settled = costs.decisions > self.settle_decisions or None in estimates
         stale = min(range(self.num_spec + 1), key=lambda k: costs.last_measured[k])
-        if unmeasured or costs.decisions - costs.last_measured[stale] > self.explore_every:
-            k = unmeasured[0] if unmeasured else stale
+        if (unmeasured and settled) or costs.decisions - costs.last_measured[stale] > self.explore_every:
+            k = unmeasured[0] if unmeasured and settled else stale
+            costs.last_measured[k] = costs.decisions  # not again before explore_every, even if untimed
             self._exploring = (bucket, k, self.hold_steps)
             return k
-        return self.best_k(costs)
+        return self.best_k(estimates)
 
-    def best_k(self, costs: BucketCosts) -> int:
+    def cost_estimates(self, bucket: int) -> list[float | None]:
+        """Seconds per step for each k at `bucket`: measured there, else the nearest bucket's
+        measurement scaled by this bucket's k=0 cost over that bucket's (when both are known)."""
+        costs = self.buckets[bucket]
+        out: list[float | None] = []
+        for k in range(self.num_spec + 1):
+            if costs.steps[k].count:
+                out.append(costs.steps[k].value)
+                continue
+            near = sorted((abs(b - bucket), b) for b, c in self.buckets.items() if c.steps[k].count)
+            if not near:
+                out.append(None)
+                continue
+            other = self.buckets[near[0][1]]
+            scale = 1.0
+            if costs.steps[0].count and other.steps[0].count:
+                scale = costs.steps[0].value / other.steps[0].value
+            out.append(other.steps[k].value * scale)
+        return out
+
+    def best_k(self, estimates: list[float | None]) -> int:
+        """The k of the highest expected tokens/s; drafting must beat k=0 by `margin` (timings
+        are noisy, and a tie should not cost the drafter's memory traffic)."""
         overhead = self.overhead.value
-        rates = [self.expected_tokens(k) / (costs.steps[k].value + overhead) for k in range(self.num_spec + 1)]
-        return max(range(self.num_spec + 1), key=rates.__getitem__)
+        rates = [self.expected_tokens(k) / (c + overhead) if c is not None else 0.0 for k, c in enumerate(estimates)]
+        best = max(range(1, self.num_spec + 1), key=rates.__getitem__, default=0)
+        return best if rates[best] > rates[0] * self.margin or estimates[0] is None else 0
 
     def _bucket(self, batch_size: int) -> BucketCosts:
         bucket = batch_bucket(batch_size)
@@ -143,5 +173,5 @@ class SpecPolicy:
         parts = []
         for bucket, costs in sorted(self.buckets.items()):
             ms = " ".join(f"{c.value * 1e3:.1f}" for c in costs.steps)
-            parts.append(f"b{bucket}: [{ms}] ms -> k={self.best_k(costs)}")
+            parts.append(f"b{bucket}: [{ms}] ms -> k={self.best_k(self.cost_estimates(bucket))}")
         return f"acceptance [{acc}]; " + "; ".join(parts)
