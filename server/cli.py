@@ -39,7 +39,7 @@ ENGINE_FLAGS = [
     ("--device", str, "cpu", "cpu | cuda"),
     ("--seed", int, 0, "default sampling seed"),
     ("--speculative-method", str, "auto", "mtp | ngram | none | auto (mtp when the model has MTP layers)"),
-    ("--num-speculative-tokens", int, 2, "draft tokens per step (the most, under --spec-policy adaptive)"),
+    ("--num-speculative-tokens", int, 3, "draft tokens per step (the most, under --spec-policy adaptive)"),
     ("--spec-policy", str, "adaptive", "adaptive (0..K drafts per step from measured acceptance and cost) | fixed"),
     ("--draft-dtype", str, "auto", "MTP drafter precision: auto | float32 | bfloat16 | float16"),
     ("--num-threads", int, None, "torch threads per engine process"),

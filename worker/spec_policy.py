@@ -3,9 +3,10 @@
 Expected tokens per request-step with k drafts is ``E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i``
 where ``a_i`` is the acceptance rate of draft ``i`` given drafts ``1..i-1`` were accepted
 (an EWMA over verified drafts). A step's cost ``C(b, k)`` -- verifying ``b * (1 + k)`` tokens
-plus drafting ``k`` -- is measured online from the runner's own step timings, per batch-size
-bucket, plus the time the engine spends outside the runner between steps. The policy picks the
-k that maximises ``E(k) / C(b, k)`` (tokens per second; ``b`` cancels). Ideas from vLLM's
+plus drafting ``k`` -- is measured online from the runner's own step timings (the median of
+the last few), per batch-size bucket, plus the time the engine spends outside the runner
+between steps. The policy picks the k that maximises ``E(k) / C(b, k)`` (tokens per second;
+``b`` cancels); a bucket seen only in passing borrows its neighbours' timings. Ideas from vLLM's
 disable-by-batch-size and from goodput-based SmartSpec, but measured rather than configured:
 on a CPU a verify step's cost grows with its rows, so the best k depends on the batch.
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import enum
 import logging
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -47,10 +50,30 @@ class Ewma:
 
 
 @dataclass
+class RecentMedian:
+    """Median of the last `size` samples: on a shared machine step times spike (another process
+    takes the core), and one spike must not flip the decision the way it moves a mean."""
+
+    size: int = 9
+    samples: deque = field(default_factory=deque)
+    count: int = 0
+
+    def update(self, x: float, alpha: float = 0.0) -> None:
+        self.samples.append(x)
+        if len(self.samples) > self.size:
+            self.samples.popleft()
+        self.count += 1
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.samples) if self.samples else 0.0
+
+
+@dataclass
 class BucketCosts:
     """Step seconds per k for one batch-size bucket."""
 
-    steps: list[Ewma]
+    steps: list[RecentMedian]
     last_measured: list[int]          # decision counter when each k was last timed
     decisions: int = 0
 
@@ -61,7 +84,6 @@ class SpecPolicy:
     mode: SpecPolicyMode = SpecPolicyMode.ADAPTIVE
     prior_acceptance: float = 0.5
     acceptance_alpha: float = 0.01    # per verified draft
-    cost_alpha: float = 0.2           # per timed step
     warmup_samples: int = 3           # timed steady-state steps per k before exploiting
     hold_steps: int = 3               # an exploration holds k this long past the transition step
     explore_every: int = 500          # decisions per bucket between re-measurements
@@ -90,7 +112,7 @@ class SpecPolicy:
     def record_step(self, batch_size: int, k: int, seconds: float) -> None:
         """A steady-state decode step: every row verified k drafts and proposed k for the next."""
         costs = self._bucket(batch_size)
-        costs.steps[k].update(seconds, self.cost_alpha)
+        costs.steps[k].update(seconds)
         costs.last_measured[k] = costs.decisions
 
     def record_overhead(self, seconds: float) -> None:
@@ -164,7 +186,7 @@ class SpecPolicy:
         bucket = batch_bucket(batch_size)
         costs = self.buckets.get(bucket)
         if costs is None:
-            costs = BucketCosts([Ewma(0.0) for _ in range(self.num_spec + 1)], [0] * (self.num_spec + 1))
+            costs = BucketCosts([RecentMedian() for _ in range(self.num_spec + 1)], [0] * (self.num_spec + 1))
             self.buckets[bucket] = costs
         return costs
 
