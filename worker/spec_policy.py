@@ -51,22 +51,23 @@ class Ewma:
 
 @dataclass
 class RecentMedian:
-    """Median of the last `size` samples: on a shared machine step times spike (another process
-    takes the core), and one spike must not flip the decision the way it moves a mean."""
+    """Median of the last `size` samples, each stamped with the bucket's decision counter. On a
+    shared machine step times spike (another process takes the core), and one spike must not
+    flip the decision the way it moves a mean."""
 
     size: int = 9
-    samples: deque = field(default_factory=deque)
+    samples: deque = field(default_factory=deque)  # (stamp, seconds)
     count: int = 0
 
-    def update(self, x: float, alpha: float = 0.0) -> None:
-        self.samples.append(x)
+    def update(self, stamp: int, x: float) -> None:
+        self.samples.append((stamp, x))
         if len(self.samples) > self.size:
             self.samples.popleft()
         self.count += 1
 
     @property
     def value(self) -> float:
-        return statistics.median(self.samples) if self.samples else 0.0
+        return statistics.median(x for _, x in self.samples) if self.samples else 0.0
 
 
 @dataclass
@@ -74,8 +75,25 @@ class BucketCosts:
     """Step seconds per k for one batch-size bucket."""
 
     steps: list[RecentMedian]
-    last_measured: list[int]          # decision counter when each k was last timed
+    last_measured: list[int]          # decision counter when each k was last explored
     decisions: int = 0
+
+    ratios: list[RecentMedian] = field(default_factory=list)  # per k: C(k) / C(0) from explorations
+
+    def ratio(self, k: int) -> float | None:
+        return self.ratios[k].value if self.ratios[k].count else None
+
+
+@dataclass
+class Exploration:
+    """k held for a few steps, then k=0 right after: on a machine whose speed drifts (other
+    processes come and go) the ratio of the two compares like with like."""
+
+    bucket: int
+    k: int
+    plan: list[int]
+    timed_k: list[float] = field(default_factory=list)
+    timed_0: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -93,7 +111,7 @@ class SpecPolicy:
     buckets: dict[int, BucketCosts] = field(default_factory=dict)
     overhead: Ewma = field(default_factory=lambda: Ewma(0.0))
     chosen_k_counts: list[int] = field(default_factory=list)  # decisions per k (exported as a metric)
-    _exploring: tuple[int, int, int] | None = None            # (bucket, k, steps left)
+    _exploration: Exploration | None = None
 
     def __post_init__(self) -> None:
         self.acceptance = [Ewma(self.prior_acceptance) for _ in range(self.num_spec)]
@@ -112,8 +130,10 @@ class SpecPolicy:
     def record_step(self, batch_size: int, k: int, seconds: float) -> None:
         """A steady-state decode step: every row verified k drafts and proposed k for the next."""
         costs = self._bucket(batch_size)
-        costs.steps[k].update(seconds)
-        costs.last_measured[k] = costs.decisions
+        costs.steps[k].update(costs.decisions, seconds)
+        e = self._exploration
+        if e is not None and e.bucket == batch_bucket(batch_size) and k in (e.k, 0):
+            (e.timed_k if k == e.k else e.timed_0).append(seconds)
 
     def record_overhead(self, seconds: float) -> None:
         """Engine time between two runner steps (scheduling, output processing)."""
@@ -137,10 +157,14 @@ class SpecPolicy:
         bucket = batch_bucket(batch_size)
         costs = self._bucket(batch_size)
         costs.decisions += 1
-        if self._exploring is not None and self._exploring[0] == bucket and self._exploring[2] > 0:
-            _, k, left = self._exploring
-            self._exploring = (bucket, k, left - 1)
-            return k
+        e = self._exploration
+        if e is not None and e.bucket == bucket and e.plan:
+            return e.plan.pop(0)
+        if e is not None and e.k and e.timed_k and e.timed_0:
+            ratio = statistics.median(e.timed_k) / statistics.median(e.timed_0)
+            explored = self.buckets[e.bucket]
+            explored.ratios[e.k].update(explored.decisions, ratio)
+        self._exploration = None
         estimates = self.cost_estimates(bucket)
         unmeasured = [k for k in range(self.num_spec, -1, -1) if costs.steps[k].count < self.warmup_samples]
         # A bucket passed through briefly (a batch draining) decides from its neighbours' timings;
@@ -149,30 +173,33 @@ class SpecPolicy:
         stale = min(range(self.num_spec + 1), key=lambda k: costs.last_measured[k])
         if (unmeasured and settled) or costs.decisions - costs.last_measured[stale] > self.explore_every:
             k = unmeasured[0] if unmeasured and settled else stale
-            costs.last_measured[k] = costs.decisions  # not again before explore_every, even if untimed
-            self._exploring = (bucket, k, self.hold_steps)
+            # Hold k (its first step is a transition, not timed), then k=0 right after, for the ratio.
+            plan = [k] * self.hold_steps + ([0] * (self.hold_steps + 1) if k else [])
+            costs.last_measured[k] = costs.last_measured[0] = costs.decisions
+            self._exploration = Exploration(bucket, k, plan)
             return k
         return self.best_k(estimates)
 
     def cost_estimates(self, bucket: int) -> list[float | None]:
-        """Seconds per step for each k at `bucket`: measured there, else the nearest bucket's
-        measurement scaled by this bucket's k=0 cost over that bucket's (when both are known)."""
-        costs = self.buckets[bucket]
-        out: list[float | None] = []
-        for k in range(self.num_spec + 1):
-            if costs.steps[k].count:
-                out.append(costs.steps[k].value)
-                continue
-            near = sorted((abs(b - bucket), b) for b, c in self.buckets.items() if c.steps[k].count)
-            if not near:
-                out.append(None)
-                continue
-            other = self.buckets[near[0][1]]
-            scale = 1.0
-            if costs.steps[0].count and other.steps[0].count:
-                scale = costs.steps[0].value / other.steps[0].value
-            out.append(other.steps[k].value * scale)
+        """Seconds per step for each k at `bucket`: k=0 as measured (or the nearest bucket's);
+        k>0 as that times the measured ratio C(k)/C(0) here, else at the nearest bucket that has
+        one, else the raw measurement."""
+        base = self._nearest(bucket, lambda c: c.steps[0].value if c.steps[0].count else None)
+        out: list[float | None] = [base]
+        for k in range(1, self.num_spec + 1):
+            ratio = self._nearest(bucket, lambda c: c.ratio(k))
+            if ratio is not None and base is not None:
+                out.append(base * ratio)
+            else:
+                out.append(self._nearest(bucket, lambda c: c.steps[k].value if c.steps[k].count else None))
         return out
+
+    def _nearest(self, bucket: int, get) -> float | None:
+        for _, b in sorted((abs(b - bucket), b) for b in self.buckets):
+            value = get(self.buckets[b])
+            if value is not None:
+                return value
+        return None
 
     def best_k(self, estimates: list[float | None]) -> int:
         """The k of the highest expected tokens/s; drafting must beat k=0 by `margin` (timings
@@ -186,7 +213,8 @@ class SpecPolicy:
         bucket = batch_bucket(batch_size)
         costs = self.buckets.get(bucket)
         if costs is None:
-            costs = BucketCosts([RecentMedian() for _ in range(self.num_spec + 1)], [0] * (self.num_spec + 1))
+            n = self.num_spec + 1
+            costs = BucketCosts([RecentMedian() for _ in range(n)], [0] * n, ratios=[RecentMedian() for _ in range(n)])
             self.buckets[bucket] = costs
         return costs
 
