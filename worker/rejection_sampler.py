@@ -36,8 +36,8 @@ greedy decoding produces.
 
 Randomness pattern (what makes seeded requests reproducible): when the batch is
 not all-greedy, a request with its own generator draws exactly ``k_b`` uniforms
-(``torch.rand``) and then exactly ``V`` exponentials (the race of
-:meth:`Sampler.sample_from_probs`) from that generator -- the same number
+(``torch.rand``) and then exactly ``V`` uniforms for the exponential race of
+:meth:`Sampler.sample_from_probs` from that generator -- the same number
 whatever is accepted and whoever else is in the batch. A request with
 ``k_b = 0`` therefore draws exactly what a plain :class:`Sampler` step would.
 Requests without a generator share batched draws from the sampler's default
@@ -215,7 +215,7 @@ class RejectionSampler:
                 # is the right distribution. sample_from_probs normalises implicitly.
                 use_residual = rejected & (residual.sum(dim=-1) > 0)
                 final_dist = torch.where(use_residual.unsqueeze(1), residual, final_p)
-            # B rows with the requests' own generators: exactly V exponentials per seeded row.
+            # B rows with the requests' own generators: exactly V uniforms per seeded row.
             sampled = self.sampler.sample_from_probs(final_dist, meta)
             final_tokens = torch.where(greedy, target_argmax[final_rows], sampled)
 
