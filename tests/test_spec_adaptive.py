@@ -53,7 +53,7 @@ def test_policy_measures_every_k_then_picks_the_fastest(costs, accept, best):
     policy = SpecPolicy(2)
     chosen = feed(policy, 8, costs, accept, 200)
     assert set(chosen[:20]) == {0, 1, 2}, "warm-up measures every k"
-    assert chosen[-100:].count(best) == 100, (chosen[-100:], policy.summary())
+    assert chosen[-100:].count(best) >= 85, (chosen[-100:], policy.summary())  # the rest: re-measuring
     assert sum(policy.chosen_k_counts) == 200 and policy.chosen_k_counts[best] > 150
 
 

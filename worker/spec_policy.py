@@ -11,8 +11,8 @@ disable-by-batch-size and from goodput-based SmartSpec, but measured rather than
 on a CPU a verify step's cost grows with its rows, so the best k depends on the batch.
 
 Every k of a bucket is first held for a few steps to measure it (warm-up), and the bucket
-re-measures its least recently timed k every `explore_every` steps, so a changed machine load
-or workload is noticed. Acceptance is only observed while drafting; a k=0 regime keeps its
+re-measures its least recently timed k -- soon at first, then every `explore_every` steps --
+so a changed machine load or workload is noticed. Acceptance is only observed while drafting; a k=0 regime keeps its
 old estimate until the next exploration.
 """
 from __future__ import annotations
@@ -77,6 +77,7 @@ class BucketCosts:
     steps: list[RecentMedian]
     last_measured: list[int]          # decision counter when each k was last explored
     decisions: int = 0
+    explorations: int = 0
 
     ratios: list[RecentMedian] = field(default_factory=list)  # per k: C(k) / C(0) from explorations
 
@@ -104,7 +105,8 @@ class SpecPolicy:
     acceptance_alpha: float = 0.01    # per verified draft
     warmup_samples: int = 3           # timed steady-state steps per k before exploiting
     hold_steps: int = 3               # an exploration holds k this long past the transition step
-    explore_every: int = 500          # decisions per bucket between re-measurements
+    explore_every: int = 500          # decisions per bucket between re-measurements (at most)
+    first_reexplore: int = 32         # ... starting this soon and doubling
     settle_decisions: int = 16        # decisions at a bucket before it is measured for itself
     margin: float = 1.03              # how much faster drafting must look than not drafting
     acceptance: list[Ewma] = field(default_factory=list)
@@ -171,8 +173,11 @@ class SpecPolicy:
         # one that keeps coming back, or one nothing is known about, gets measured.
         settled = costs.decisions > self.settle_decisions or None in estimates
         stale = min(range(self.num_spec + 1), key=lambda k: costs.last_measured[k])
-        if (unmeasured and settled) or costs.decisions - costs.last_measured[stale] > self.explore_every:
+        # Re-measure early and often while the estimates rest on few samples, then every explore_every.
+        interval = min(self.explore_every, self.first_reexplore << costs.explorations)
+        if (unmeasured and settled) or costs.decisions - costs.last_measured[stale] > interval:
             k = unmeasured[0] if unmeasured and settled else stale
+            costs.explorations += 1
             # Hold k (its first step is a transition, not timed), then k=0 right after, for the ratio.
             plan = [k] * self.hold_steps + ([0] * (self.hold_steps + 1) if k else [])
             costs.last_measured[k] = costs.last_measured[0] = costs.decisions
