@@ -103,7 +103,8 @@ class SpecPolicy:
     mode: SpecPolicyMode = SpecPolicyMode.ADAPTIVE
     prior_acceptance: float = 0.5
     acceptance_alpha: float = 0.01    # per verified draft
-    warmup_samples: int = 3           # timed steady-state steps per k before exploiting
+    warmup_samples: int = 3           # timed steady-state steps of k=0 before exploiting
+    warmup_pairs: int = 2             # explorations (k, then k=0) per k>0 before exploiting
     hold_steps: int = 3               # an exploration holds k this long past the transition step
     explore_every: int = 500          # decisions per bucket between re-measurements (at most)
     first_reexplore: int = 32         # ... starting this soon and doubling
@@ -168,7 +169,8 @@ class SpecPolicy:
             explored.ratios[e.k].update(explored.decisions, ratio)
         self._exploration = None
         estimates = self.cost_estimates(bucket)
-        unmeasured = [k for k in range(self.num_spec, -1, -1) if costs.steps[k].count < self.warmup_samples]
+        unmeasured = [k for k in range(self.num_spec, -1, -1)
+                      if (costs.ratios[k].count < self.warmup_pairs if k else costs.steps[0].count < self.warmup_samples)]
         # A bucket passed through briefly (a batch draining) decides from its neighbours' timings;
         # one that keeps coming back, or one nothing is known about, gets measured.
         settled = costs.decisions > self.settle_decisions or None in estimates
@@ -183,7 +185,7 @@ class SpecPolicy:
             costs.last_measured[k] = costs.last_measured[0] = costs.decisions
             self._exploration = Exploration(bucket, k, plan)
             return k
-        return self.best_k(estimates)
+        return self.best_k(bucket)
 
     def cost_estimates(self, bucket: int) -> list[float | None]:
         """Seconds per step for each k at `bucket`: k=0 as measured (or the nearest bucket's);
@@ -206,13 +208,18 @@ class SpecPolicy:
                 return value
         return None
 
-    def best_k(self, estimates: list[float | None]) -> int:
-        """The k of the highest expected tokens/s; drafting must beat k=0 by `margin` (timings
-        are noisy, and a tie should not cost the drafter's memory traffic)."""
+    def best_k(self, bucket: int) -> int:
+        """The k of the highest expected tokens/s. Drafting must beat k=0 by `margin` plus a doubt
+        that shrinks with the number of cost ratios behind it (timings are noisy, and in doubt
+        not drafting is the safe choice)."""
+        estimates = self.cost_estimates(bucket)
+        if estimates[0] is None:
+            return self.num_spec
         overhead = self.overhead.value
         rates = [self.expected_tokens(k) / (c + overhead) if c is not None else 0.0 for k, c in enumerate(estimates)]
         best = max(range(1, self.num_spec + 1), key=rates.__getitem__, default=0)
-        return best if rates[best] > rates[0] * self.margin or estimates[0] is None else 0
+        evidence = self._nearest(bucket, lambda c: c.ratios[best].count or None) or 1
+        return best if rates[best] > rates[0] * (self.margin + 0.1 / evidence) else 0
 
     def _bucket(self, batch_size: int) -> BucketCosts:
         bucket = batch_bucket(batch_size)
@@ -228,5 +235,6 @@ class SpecPolicy:
         parts = []
         for bucket, costs in sorted(self.buckets.items()):
             ms = " ".join(f"{c.value * 1e3:.1f}" for c in costs.steps)
-            parts.append(f"b{bucket}: [{ms}] ms -> k={self.best_k(self.cost_estimates(bucket))}")
+            ratios = " ".join(f"{r:.2f}" if (r := costs.ratio(k)) is not None else "-" for k in range(1, self.num_spec + 1))
+            parts.append(f"b{bucket}: [{ms}] ms, C(k)/C(0) [{ratios}] -> k={self.best_k(bucket)}")
         return f"acceptance [{acc}]; " + "; ".join(parts)
