@@ -103,6 +103,14 @@ class MTPDrafter:
             self.stash = torch.empty(self.states.max_num_seqs, self.stash_positions, hidden.shape[1],
                                      dtype=hidden.dtype, device=self.device)
         pending, qsl = self.states.mtp_pending, batch.layout.query_start_loc
+        slots = batch.slots[rows]
+        if (n_valid[rows] == 1).all() and (pending[slots] < self.stash_positions).all():
+            # The steady k=0 step: one position per row, stashed with a single indexed copy.
+            dev = self.device
+            self.stash[torch.from_numpy(slots).to(dev), torch.from_numpy(pending[slots]).to(dev)] = \
+                hidden[torch.from_numpy(qsl[rows]).to(dev)]
+            pending[slots] += 1
+            return overflow
         for row in rows.tolist():
             slot, n = int(batch.slots[row]), int(n_valid[row])
             have = int(pending[slot])

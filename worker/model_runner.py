@@ -102,7 +102,8 @@ class ModelRunner:
         if self.drafter is not None:
             k = self._choose_num_drafts(batch, accepted)
             drafts = self.drafter.propose(batch, hidden, accepted, k, self._draft_metadata)
-            self._store_drafts(batch, drafts)
+            if k or batch.num_drafts.any():  # else nothing was verified or proposed: no buffer to update
+                self._store_drafts(batch, drafts)
             self._time_step(batch, k, start)
         return RunnerOutput(batch.req_ids, accepted, drafts, logprobs)
 
