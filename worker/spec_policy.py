@@ -2,7 +2,7 @@
 
 Expected tokens per request-step with k drafts is ``E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i``
 where ``a_i`` is the acceptance rate of draft ``i`` given drafts ``1..i-1`` were accepted
-(an EWMA over verified drafts). A step's cost ``C(b, k)`` -- verifying ``b * (1 + k)`` tokens
+(a running mean of verified drafts, then an EWMA). A step's cost ``C(b, k)`` -- verifying ``b * (1 + k)`` tokens
 plus drafting ``k`` -- is measured online from the runner's own step timings (the median of
 the last few), per batch-size bucket, plus the time the engine spends outside the runner
 between steps. The policy picks the k that maximises ``E(k) / C(b, k)`` (tokens per second;
@@ -126,9 +126,15 @@ class SpecPolicy:
         """One verify step: row r verified num_drafts[r] drafts and accepted num_accepted[r]."""
         for i in range(self.num_spec):
             seen = [m > i for k, m in zip(num_drafts, num_accepted) if k > i and m >= i]
-            if seen:  # a batch of n observations weighs like n single updates
-                alpha = 1 - (1 - self.acceptance_alpha) ** len(seen)
-                self.acceptance[i].update(sum(seen) / len(seen), alpha)
+            if not seen:
+                continue
+            est, n = self.acceptance[i], len(seen)
+            # A plain mean of everything seen until there are 1/alpha observations (the first
+            # few drafts must not count for more than they are worth), an EWMA after that;
+            # a batch of n observations weighs like n single updates.
+            alpha = max(1 - (1 - self.acceptance_alpha) ** n, n / (est.count + n))
+            est.value += alpha * (sum(seen) / n - est.value)
+            est.count += n
 
     def record_step(self, batch_size: int, k: int, seconds: float) -> None:
         """A steady-state decode step: every row verified k drafts and proposed k for the next."""
