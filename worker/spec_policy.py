@@ -109,7 +109,8 @@ class SpecPolicy:
     explore_every: int = 500          # decisions per bucket between re-measurements (at most)
     first_reexplore: int = 32         # ... starting this soon and doubling
     settle_decisions: int = 16        # decisions at a bucket before it is measured for itself
-    margin: float = 1.03              # how much faster drafting must look than not drafting
+    margin: float = 1.03              # how much faster drafting must look than not drafting ...
+    doubt: float = 0.2                # ... plus this over the number of cost ratios behind it
     acceptance: list[Ewma] = field(default_factory=list)
     buckets: dict[int, BucketCosts] = field(default_factory=dict)
     overhead: Ewma = field(default_factory=lambda: Ewma(0.0))
@@ -225,7 +226,7 @@ class SpecPolicy:
         rates = [self.expected_tokens(k) / (c + overhead) if c is not None else 0.0 for k, c in enumerate(estimates)]
         best = max(range(1, self.num_spec + 1), key=rates.__getitem__, default=0)
         evidence = self._nearest(bucket, lambda c: c.ratios[best].count or None) or 1
-        return best if rates[best] > rates[0] * (self.margin + 0.1 / evidence) else 0
+        return best if rates[best] > rates[0] * (self.margin + self.doubt / evidence) else 0
 
     def _bucket(self, batch_size: int) -> BucketCosts:
         bucket = batch_bucket(batch_size)
