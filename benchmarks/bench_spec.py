@@ -2,10 +2,12 @@
 
 For K = 1..3: mean acceptance length (tokens per verify step: 1 + accepted drafts) and the
 acceptance rate of each draft position (accepted at position i / verify steps). Then decode
-tokens/s (after every request's first token: prefill is TTFT, not decode) with MTP (K=2 by
-default) vs without, at batch 1 and batch 16, greedy.
+tokens/s (after every request's first token: prefill is TTFT, not decode) without speculation,
+with MTP at a fixed K and with adaptive MTP (up to --k-max drafts, chosen per step by
+worker/spec_policy.py), at batch 1, 4, 16 and 32, plus the ratios, the acceptance and how often
+the adaptive policy chose each k.
 
-    python benchmarks/bench_spec.py [--model DIR] [--new-tokens 128]
+    python benchmarks/bench_spec.py [--model DIR] [--new-tokens 128] [--temperature 0]
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import argparse
 import logging
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,19 +44,18 @@ def prompts_for(llm: LLM, n: int) -> list[list[int]]:
     return [llm.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
 
 
-def make_llm(model: str, method: str | None, k: int, batch: int, device: str) -> LLM:
+def make_llm(model: str, method: str | None, k: int, batch: int, device: str, policy: str = "fixed") -> LLM:
     llm = LLM(model, speculative_method=method, num_speculative_tokens=k, max_num_seqs=max(batch, 1),
-              max_model_len=1024, device=device)
+              max_model_len=1024, device=device, spec_policy=policy)
     llm.generate(prompts_for(llm, 1), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     llm.engine.scheduler.spec_stats.__init__()
     return llm
 
 
-def timed_round(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[int, float]:
+def timed_round(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[int, float]:
     """Decode tokens and seconds for one batch: from the step that has given every request its
     first token (the prefill, i.e. TTFT, is not decode) to the last token."""
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     pending = {engine.add_request(p, params) for p in prompts}
     start, decoded = None, 0
     while engine.has_unfinished():
@@ -67,59 +69,100 @@ def timed_round(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[in
     return decoded, time.perf_counter() - start
 
 
-def acceptance(model: str, k: int, new_tokens: int, device: str):
+def acceptance(model: str, k: int, params: SamplingParams, device: str):
     llm = make_llm(model, "mtp", k, 16, device)
-    llm.generate(prompts_for(llm, 16), SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    llm.generate(prompts_for(llm, 16), params)
     stats = llm.engine.scheduler.spec_stats
     llm.shutdown()
     return stats
 
 
-def speed(model: str, k: int, batch: int, rounds: int, new_tokens: int, device: str) -> dict:
-    """Decode tok/s without and with MTP. The two engines live side by side and take turns on the
-    same batch, round by round, so drift in the machine's speed (a shared VM) hits both alike; the
-    median of the per-round ratios is also reported, as it shrugs off a round that a hiccup hit."""
-    base, spec = make_llm(model, None, 1, batch, device), make_llm(model, "mtp", k, batch, device)
-    prompts = prompts_for(base, batch * rounds)
-    runs: dict[int, list[tuple[int, float]]] = {id(base): [], id(spec): []}
+@dataclass
+class Contender:
+    label: str
+    llm: LLM
+    runs: list[tuple[int, float]] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return sum(n for n, _ in self.runs) / sum(t for _, t in self.runs)
+
+
+def speed(contenders: list[Contender], batch: int, rounds: int, params: SamplingParams) -> None:
+    """The engines live side by side and take turns on the same batch, round by round (order
+    rotating), so drift in the machine's speed (a shared VM) hits all alike. One untimed round
+    first: the adaptive policy measures its step costs at this batch size there."""
+    prompts = prompts_for(contenders[0].llm, batch * (rounds + 1))
+    for c in contenders:
+        timed_round(c.llm, prompts[:batch], params)
+        c.llm.engine.scheduler.spec_stats.__init__()
+        policy = c.llm.engine.runner.spec_policy
+        policy.chosen_k_counts = [0] * len(policy.chosen_k_counts)
     for r in range(rounds):
-        chunk = prompts[r * batch : (r + 1) * batch]
-        for llm in (base, spec) if r % 2 == 0 else (spec, base):
-            runs[id(llm)].append(timed_round(llm, chunk, new_tokens))
-    stats = spec.engine.scheduler.spec_stats
-    b, s = runs[id(base)], runs[id(spec)]
-    base.shutdown()
-    spec.shutdown()
-    rate = lambda rs: sum(n for n, _ in rs) / sum(t for _, t in rs)  # noqa: E731
-    ratios = sorted((ns / ts) / (nb / tb) for (nb, tb), (ns, ts) in zip(b, s))
-    return {"base": rate(b), "spec": rate(s), "median_ratio": ratios[len(ratios) // 2], "stats": stats}
+        chunk = prompts[(r + 1) * batch : (r + 2) * batch]
+        for i in range(len(contenders)):
+            c = contenders[(i + r) % len(contenders)]
+            c.runs.append(timed_round(c.llm, chunk, params))
+
+
+def median_ratio(a: Contender, base: Contender) -> float:
+    ratios = sorted((na / ta) / (nb / tb) for (na, ta), (nb, tb) in zip(a.runs, base.runs))
+    return ratios[len(ratios) // 2]
+
+
+def report(batch: int, contenders: list[Contender]) -> None:
+    base, fixed, adaptive = contenders
+    stats = adaptive.llm.engine.scheduler.spec_stats
+    policy = adaptive.llm.engine.runner.spec_policy
+    total = max(1, sum(policy.chosen_k_counts))
+    chosen = " ".join(f"{k}:{n / total:.2f}" for k, n in enumerate(policy.chosen_k_counts))
+    per_pos = " ".join(f"{n / max(1, stats.num_drafts):.2f}" for n in stats.accepted_per_pos) or "-"
+    print(f"{batch:>5} {base.rate:>9.1f} {fixed.rate:>9.1f} {adaptive.rate:>9.1f} "
+          f"{fixed.rate / base.rate:>6.2f}x {median_ratio(fixed, base):>6.2f}x "
+          f"{adaptive.rate / base.rate:>6.2f}x {median_ratio(adaptive, base):>6.2f}x "
+          f"{stats.mean_acceptance_length:>7.2f} {per_pos:>10}  {chosen}", flush=True)
+    logging.getLogger("bench_spec").info("b=%d policy: %s", batch, policy.summary())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--k-speed", type=int, default=2, help="K for the speed comparison")
+    ap.add_argument("--k-fixed", type=int, default=2, help="K of the fixed-K contender")
+    ap.add_argument("--k-max", type=int, default=2, help="most drafts the adaptive policy may choose")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--batches", default="1,4,16,32")
+    ap.add_argument("--skip-acceptance", action="store_true")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: like one engine process here)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log the policy's cost table per batch")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
     drafter = resolve_draft_dtype("auto", "float32", args.device)
-    print(f"model: {model} | {args.device} | greedy, {args.new_tokens} new tokens | torch threads: {args.threads}"
-          f" | target float32, MTP drafter {drafter}")
-    print(f"\n{'K':>2} {'accept len':>11} {'per-position acceptance':>28}")
-    for k in (1, 2, 3):
-        stats = acceptance(model, k, args.new_tokens, args.device)
-        per_pos = " ".join(f"{n / stats.num_drafts:.2f}" for n in stats.accepted_per_pos)
-        print(f"{k:>2} {stats.mean_acceptance_length:>11.2f} {per_pos:>28}")
-    print(f"\n{'batch':>5} {'no-spec decode tok/s':>21} {f'MTP K={args.k_speed} decode tok/s':>23} "
-          f"{'speed-up':>9} {'median of rounds':>17} {'accept len':>11}")
-    for batch, rounds in ((1, 32), (16, 2)):
-        r = speed(model, args.k_speed, batch, rounds, args.new_tokens, args.device)
-        print(f"{batch:>5} {r['base']:>21.1f} {r['spec']:>23.1f} {r['spec'] / r['base']:>8.2f}x "
-              f"{r['median_ratio']:>16.2f}x {r['stats'].mean_acceptance_length:>11.2f}")
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, ignore_eos=True)
+    print(f"model: {model} | {args.device} | temperature {args.temperature}, {args.new_tokens} new tokens | "
+          f"torch threads: {args.threads} | target float32, MTP drafter {drafter}")
+    if not args.skip_acceptance:
+        print(f"\n{'K':>2} {'accept len':>11} {'per-position acceptance':>28}")
+        for k in (1, 2, 3):
+            stats = acceptance(model, k, params, args.device)
+            per_pos = " ".join(f"{n / stats.num_drafts:.2f}" for n in stats.accepted_per_pos)
+            print(f"{k:>2} {stats.mean_acceptance_length:>11.2f} {per_pos:>28}")
+    print(f"\ndecode tok/s; ratios to no speculation (overall, median of rounds); adaptive = up to K={args.k_max}: "
+          "its acceptance length, per-position acceptance and share of steps per chosen k")
+    print(f"{'batch':>5} {'no-spec':>9} {f'K={args.k_fixed}':>9} {'adaptive':>9} {'fixed/base':>14} "
+          f"{'adaptive/base':>14} {'acc len':>7} {'per pos':>10}  chosen k")
+    for batch in (int(b) for b in args.batches.split(",")):
+        rounds = {1: 12, 4: 6}.get(batch, 3 if batch <= 16 else 2)
+        contenders = [Contender("base", make_llm(model, None, 1, batch, args.device)),
+                      Contender("fixed", make_llm(model, "mtp", args.k_fixed, batch, args.device)),
+                      Contender("adaptive", make_llm(model, "mtp", args.k_max, batch, args.device, "adaptive"))]
+        speed(contenders, batch, rounds, params)
+        report(batch, contenders)
+        for c in contenders:
+            c.llm.shutdown()
 
 
 if __name__ == "__main__":

@@ -136,6 +136,12 @@ class EngineConfig:
     # None: PDSERVE_ENFORCE_EAGER if set, else eager on CPU, where compiling was measured not to pay
     # at the batch sizes a server runs (benchmarks/results/compile.txt), compiled on CUDA.
     enforce_eager: bool | None = None
+    # How many drafts per step: "adaptive" (0..K from measured acceptance and step cost,
+    # worker/spec_policy.py) or "fixed" (always K). Applies to MTP; n-gram is always fixed.
+    spec_policy: str = "adaptive"
+    # Mixed into the default sampling seed so that engines sharing --seed do not share noise
+    # (set by the engine process from its name, which is unique within a deployment).
+    instance_name: str = ""
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -163,5 +169,7 @@ class EngineConfig:
             raise ValueError(f"draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
         if self.speculative_method and not 1 <= self.num_speculative_tokens <= 8:
             raise ValueError(f"num_speculative_tokens must be in [1, 8], got {self.num_speculative_tokens}")
+        if self.spec_policy not in ("adaptive", "fixed"):
+            raise ValueError(f"spec_policy must be adaptive or fixed, got {self.spec_policy!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")

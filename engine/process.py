@@ -7,6 +7,7 @@ itself has no role branches.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -39,7 +40,7 @@ class EngineProcess:
         except ValueError:
             raise ValueError(f"role must be colocated, prefill or decode, got {role!r}") from None
         self.name = name
-        self.core = EngineCore(config)
+        self.core = EngineCore(dataclasses.replace(config, instance_name=name))
         self.zmq = zmq.Context()
         # One DEALER to the front end's ROUTER, identified by our name: requests come in, tokens and
         # heartbeats go out. Engines connect to the front end, so it discovers them by their heartbeats
@@ -153,6 +154,9 @@ class EngineProcess:
                     "spec_decode_num_accepted_tokens_total": spec.num_accepted_tokens,
                     **self._time_counters(), **self.connector.counters()}
         per_position = {"spec_decode_num_accepted_tokens_per_pos_total": [float(n) for n in spec.accepted_per_pos]}
+        if self.core.runner.drafter is not None:  # steps by the number of drafts the policy chose
+            chosen = self.core.runner.spec_policy.chosen_k_counts
+            per_position["spec_decode_num_steps_by_k_total"] = [float(n) for n in chosen]
         self._emit(msg.Heartbeat(self.name, self.role, self.connector.kv_endpoint,
                                  stats.kv_blocks_free, stats.kv_blocks_total, stats.num_running,
                                  stats.num_waiting, counters, per_position))

@@ -40,7 +40,8 @@ ENGINE_FLAGS = [
     ("--device", str, "cpu", "cpu | cuda"),
     ("--seed", int, 0, "default sampling seed"),
     ("--speculative-method", str, "auto", "mtp | ngram | none | auto (mtp when the model has MTP layers)"),
-    ("--num-speculative-tokens", int, 2, "draft tokens per step"),
+    ("--num-speculative-tokens", int, 3, "draft tokens per step (the most, under --spec-policy adaptive)"),
+    ("--spec-policy", str, "adaptive", "adaptive (0..K drafts per step from measured acceptance and cost) | fixed"),
     ("--draft-dtype", str, "auto", "MTP drafter precision: auto | float32 | bfloat16 | float16"),
     ("--num-threads", int, None, "torch threads per engine process"),
 ]
@@ -81,7 +82,7 @@ def engine_config(args: argparse.Namespace, role: str = EngineRole.COLOCATED) ->
                         kv_memory_fraction=args.kv_memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
                         dtype=args.dtype, device=args.device, seed=args.seed, num_threads=args.num_threads,
                         speculative_method=method if method != "none" else None, num_speculative_tokens=num_spec,
-                        draft_dtype=args.draft_dtype, enforce_eager=args.enforce_eager)
+                        draft_dtype=args.draft_dtype, enforce_eager=args.enforce_eager, spec_policy=args.spec_policy)
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:

@@ -68,8 +68,12 @@ class _InstanceCollector:
         yield from _engine_counters(infos)
 
 
+# Indexed counters are labelled `position` (the draft position) unless named here.
+INDEX_LABELS = {"spec_decode_num_steps_by_k_total": "k"}  # steps by the number of drafts chosen
+
+
 def _engine_counters(infos: list[InstanceInfo]) -> list[CounterMetricFamily]:
-    """One family per engine counter; per-position counters get a `position` label."""
+    """One family per engine counter; indexed counters get a `position` (or `k`) label."""
     families: dict[str, CounterMetricFamily] = {}
 
     def family(key: str, labels: list[str]) -> CounterMetricFamily:
@@ -83,7 +87,8 @@ def _engine_counters(infos: list[InstanceInfo]) -> list[CounterMetricFamily]:
             family(key, ["instance", "role"]).add_metric([info.name, info.role], float(val))
         for key, values in (info.per_position or {}).items():
             for pos, val in enumerate(values):
-                family(key, ["instance", "role", "position"]).add_metric([info.name, info.role, str(pos)], float(val))
+                label = INDEX_LABELS.get(key, "position")
+                family(key, ["instance", "role", label]).add_metric([info.name, info.role, str(pos)], float(val))
     return list(families.values())
 
 

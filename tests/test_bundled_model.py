@@ -90,7 +90,8 @@ def test_pd_with_mtp_carries_the_mtp_kv(bundled, tmp_path):
     acceptance = {}
     for mode in ("colocated", "pd"):
         engines = ThreadedEngines(tmp_path)
-        common = dict(model=str(BUNDLED_MODEL), max_model_len=512, num_threads=1, speculative_method="mtp")
+        common = dict(model=str(BUNDLED_MODEL), max_model_len=512, num_threads=1, speculative_method="mtp",
+                      spec_policy="fixed")  # acceptance per draft token depends on the k chosen
         if mode == "pd":
             engines.add("prefill", "prefill-0", EngineConfig(**common, num_speculative_tokens=1))
             decode = engines.add("decode", "decode-0", EngineConfig(**common, num_speculative_tokens=2, max_num_seqs=2))

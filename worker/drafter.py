@@ -1,10 +1,12 @@
 """Draft proposers for speculative decoding: the MTP layer (recursive) and n-gram prompt lookup.
 
 Both run after the step's tokens are written back, and return per batch row the drafts to
-verify next step ([] for rows that did not sample).
+verify next step ([] for rows that did not sample, and for every row when the policy chose 0).
 """
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,7 +15,17 @@ import torch
 from worker import kernels
 from worker.attention import AttentionContext, StepLayout
 from worker.models.llama import CausalLM
+from worker.sampler import Sampler, SamplingMetadata
 from worker.states import RequestStates
+
+# (slots of the drafting rows, draft index j) -> settings of output position n_out + j of each
+# row, with that position's keyed generator; None when every row is greedy.
+DraftMetadataFn = Callable[[np.ndarray, int], SamplingMetadata | None]
+
+
+class DraftMode(enum.StrEnum):
+    GREEDY = "greedy"    # argmax of the draft logits, whatever the request's temperature
+    COUPLED = "coupled"  # random rows: drawn from the draft distribution with the verifier's noise
 
 
 @dataclass
@@ -27,69 +39,141 @@ class StepBatch:
     is_prefilling: np.ndarray
     samples: np.ndarray        # rows that produce tokens this step
 
-    def last_valid_index(self, num_accepted: np.ndarray) -> np.ndarray:
-        """Flat index of each row's last position whose KV is now valid (rejected drafts excluded)."""
-        ends = self.layout.query_start_loc[1:]
-        return ends - 1 - (self.num_drafts - np.maximum(num_accepted - 1, 0))
+    def num_valid(self, accepted: list[list[int]]) -> np.ndarray:
+        """Per row, the leading positions of this step whose KV is now valid: all of a prefill
+        chunk; for a verify row the kept ones (accepted drafts and the position of the bonus)."""
+        kept = np.array([len(a) for a in accepted], dtype=np.int32)
+        rejected = self.num_drafts - np.maximum(kept - 1, 0)
+        return np.where(self.samples, self.layout.query_lens - rejected, self.layout.query_lens).astype(np.int32)
 
 
 class MTPDrafter:
+    """The MTP layer keeps its own KV, which must cover every position before the next draft.
+
+    Drafting rows and prefill chunks run the layer over this step's valid positions. A decode
+    row that does not draft (the policy chose k=0) skips the layer: its target hidden states are
+    stashed instead, and the layer runs over them (backfill) the next time the row drafts, in the
+    same pass. So a k=0 step costs nothing extra, and a request that never drafts again never pays
+    for the layer. A stash that would overflow `stash_positions` is flushed in that step's pass.
+    """
+
     def __init__(self, model: CausalLM, states: RequestStates, kv_views, block_size: int, num_tokens: int,
-                 device: torch.device) -> None:
+                 device: torch.device, sampler: Sampler, sliding_window: int | None = None,
+                 stash_positions: int = 256) -> None:
         self.model, self.states, self.kv_views = model, states, kv_views
         self.block_size, self.k, self.device = block_size, num_tokens, device
+        self.sampler, self.sliding_window = sampler, sliding_window
+        self.stash_positions = stash_positions
+        self.stash: torch.Tensor | None = None  # [slots, stash_positions, hidden], allocated on first use
+        self.mode = DraftMode.COUPLED
+        self.flushed = False  # whether the last propose() ran the layer for rows that did not draft
 
-    def run_over_step(self, batch: StepBatch, hidden: torch.Tensor, ctx: AttentionContext,
-                      accepted: list[list[int]]) -> torch.Tensor:
-        """Run the MTP layer over every position of the step so its KV matches the target's.
-
-        Position i pairs h_i with x_{i+1}. In a verify row that is the i-th kept token (accepted
-        drafts, then the bonus); positions past those get a placeholder, and their KV is
-        recomputed when the next step verifies them. A prefill chunk reads x_{i+1} from
-        all_token_ids after write-back (the next prompt token, or the token just sampled).
-        """
-        positions = batch.layout.positions()
-        qsl = batch.layout.query_start_loc
-        if batch.is_prefilling.any():
-            next_ids = torch.empty(hidden.shape[0], dtype=torch.int32, device=self.device)
-            everyone = torch.ones(len(batch.slots), dtype=torch.bool, device=self.device)
-            kernels.gather_prefill_tokens(next_ids, self.states.all_token_ids, torch.from_numpy(batch.slots).to(self.device),
-                                          torch.from_numpy(qsl).to(self.device),
-                                          torch.from_numpy(batch.layout.num_computed + 1).to(self.device), everyone)
-        else:  # decode-only: everything needed is already on the host
-            host = np.zeros(hidden.shape[0], dtype=np.int32)
-            for row, toks in enumerate(accepted):
-                host[qsl[row] : qsl[row] + len(toks)] = toks
-            next_ids = torch.from_numpy(host).to(self.device)
-        return self.model.mtp_forward(0, hidden, next_ids, ctx.positions, ctx, has_position0=bool((positions == 0).any()))
-
-    def propose(self, batch: StepBatch, hidden: torch.Tensor, ctx: AttentionContext,
-                accepted: list[list[int]]) -> list[list[int]]:
-        mtp_hidden = self.run_over_step(batch, hidden, ctx, accepted)
-        rows = np.nonzero(batch.samples)[0]
+    def propose(self, batch: StepBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,
+                draft_meta: DraftMetadataFn) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
+        n_valid = batch.num_valid(accepted)
+        drafting = batch.samples & (k > 0)
+        in_pass = batch.is_prefilling | drafting
+        overflow = self._stash(batch, hidden, n_valid, ~in_pass)
+        self.flushed = bool(overflow.any())
+        in_pass |= overflow
+        if not in_pass.any():
+            return drafts
+        pass_rows = np.nonzero(in_pass)[0]
+        mtp_hidden, layout = self._mtp_pass(batch, hidden, n_valid, pass_rows)
+        rows = np.nonzero(drafting)[0]
         if not len(rows):
             return drafts
-        num_accepted = np.array([len(a) for a in accepted], dtype=np.int64)
-        last = batch.last_valid_index(num_accepted)[rows]
-        h = mtp_hidden[torch.from_numpy(last).to(self.device)]
-        token = self.model.compute_draft_logits(h).argmax(-1)
-        proposed = [token]
-        # Drafts 2..k: apply the layer on its own hidden state, one position further each time.
-        # These KV writes land in lookahead slots that the next verify step overwrites.
-        block_tables = batch.layout.block_tables[rows]
-        first_pos = batch.layout.positions()[last]
-        ones = np.ones(len(rows), dtype=np.int32)
-        for i in range(1, self.k):
-            layout = StepLayout(block_tables, (first_pos + i).astype(np.int32), ones)
-            step_ctx = AttentionContext(self.kv_views, layout, self.block_size, self.device)
-            h = self.model.mtp_forward(0, h, token, step_ctx.positions, step_ctx, has_position0=False)
-            token = self.model.compute_draft_logits(h).argmax(-1)
-            proposed.append(token)
-        table = torch.stack(proposed, dim=1).tolist()
+        ends = layout.query_start_loc[1:] - 1              # each pass row's last valid position
+        pick = np.searchsorted(pass_rows, rows)
+        last_pos = (layout.num_computed + layout.query_lens - 1)[pick]
+        h = mtp_hidden[torch.from_numpy(ends[pick]).to(self.device)]
+        table = self._draft(batch, rows, h, last_pos, k, draft_meta)
         for row, d in zip(rows.tolist(), table):
             drafts[row] = d
         return drafts
+
+    def _stash(self, batch: StepBatch, hidden: torch.Tensor, n_valid: np.ndarray, rows_mask: np.ndarray) -> np.ndarray:
+        """Keep the valid hidden states of rows that skip the layer; returns the rows that cannot."""
+        overflow = np.zeros(len(batch.slots), dtype=bool)
+        rows = np.nonzero(rows_mask)[0]
+        if not len(rows):
+            return overflow
+        if self.stash is None:
+            self.stash = torch.empty(self.states.max_num_seqs, self.stash_positions, hidden.shape[1],
+                                     dtype=hidden.dtype, device=self.device)
+        pending, qsl = self.states.mtp_pending, batch.layout.query_start_loc
+        slots = batch.slots[rows]
+        if (n_valid[rows] == 1).all() and (pending[slots] < self.stash_positions).all():
+            # The steady k=0 step: one position per row, stashed with a single indexed copy.
+            dev = self.device
+            self.stash[torch.from_numpy(slots).to(dev), torch.from_numpy(pending[slots]).to(dev)] = \
+                hidden[torch.from_numpy(qsl[rows]).to(dev)]
+            pending[slots] += 1
+            return overflow
+        for row in rows.tolist():
+            slot, n = int(batch.slots[row]), int(n_valid[row])
+            have = int(pending[slot])
+            if have + n > self.stash_positions:
+                overflow[row] = True
+                continue
+            self.stash[slot, have : have + n] = hidden[qsl[row] : qsl[row] + n]
+            pending[slot] = have + n
+        return overflow
+
+    def _mtp_pass(self, batch: StepBatch, hidden: torch.Tensor, n_valid: np.ndarray,
+                  rows: np.ndarray) -> tuple[torch.Tensor, StepLayout]:
+        """The MTP layer over each row's stashed positions followed by this step's valid ones.
+
+        Position i pairs h_i with x_{i+1}, read from all_token_ids after write-back (the next
+        prompt token, an accepted draft, or the token just sampled): always in bounds, since
+        every position run here is valid and so has a successor.
+        """
+        st, dev = self.states, self.device
+        slots = batch.slots[rows]
+        pending = st.mtp_pending[slots].copy()
+        start = (batch.layout.num_computed[rows] - pending).astype(np.int32)
+        lens = (pending + n_valid[rows]).astype(np.int32)
+        qsl = batch.layout.query_start_loc
+        pieces = []
+        for row, slot, have in zip(rows.tolist(), slots.tolist(), pending.tolist()):
+            if have:
+                pieces.append(self.stash[slot, :have])
+            pieces.append(hidden[qsl[row] : qsl[row] + n_valid[row]])
+        h_in = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        layout = StepLayout(batch.layout.block_tables[rows], start, lens)
+        ctx = AttentionContext(self.kv_views, layout, self.block_size, dev, self.sliding_window)
+        next_ids = torch.empty(h_in.shape[0], dtype=torch.int32, device=dev)
+        everyone = torch.ones(len(rows), dtype=torch.bool, device=dev)
+        kernels.gather_prefill_tokens(next_ids, st.all_token_ids, torch.from_numpy(slots).to(dev),
+                                      torch.from_numpy(layout.query_start_loc).to(dev),
+                                      torch.from_numpy(start + 1).to(dev), everyone)
+        st.mtp_pending[slots] = 0
+        out = self.model.mtp_forward(0, h_in, next_ids, ctx.positions, ctx, has_position0=bool((start == 0).any()))
+        return out, layout
+
+    def _draft(self, batch: StepBatch, rows: np.ndarray, h: torch.Tensor, last_pos: np.ndarray, k: int,
+               draft_meta: DraftMetadataFn) -> list[list[int]]:
+        """k drafts per row: the layer applied recursively on its own hidden state, one position
+        further each time. These KV writes land in lookahead slots that the next verify overwrites."""
+        slots = batch.slots[rows]
+        token = self._pick(self.model.compute_draft_logits(h), slots, 0, draft_meta)
+        proposed = [token]
+        block_tables = batch.layout.block_tables[rows]
+        ones = np.ones(len(rows), dtype=np.int32)
+        for i in range(1, k):
+            layout = StepLayout(block_tables, (last_pos + i).astype(np.int32), ones)
+            step_ctx = AttentionContext(self.kv_views, layout, self.block_size, self.device, self.sliding_window)
+            h = self.model.mtp_forward(0, h, token, step_ctx.positions, step_ctx, has_position0=False)
+            token = self._pick(self.model.compute_draft_logits(h), slots, i, draft_meta)
+            proposed.append(token)
+        return torch.stack(proposed, dim=1).tolist()
+
+    def _pick(self, logits: torch.Tensor, slots: np.ndarray, j: int, draft_meta: DraftMetadataFn) -> torch.Tensor:
+        meta = draft_meta(slots, j) if self.mode is DraftMode.COUPLED else None
+        if meta is None:
+            return logits.argmax(-1).to(torch.int32)
+        return self.sampler(logits, meta).sampled_token_ids
 
 
 class NgramDrafter:
@@ -97,14 +181,17 @@ class NgramDrafter:
 
     def __init__(self, states: RequestStates, num_tokens: int, max_n: int = 4, min_n: int = 1) -> None:
         self.states, self.k, self.max_n, self.min_n = states, num_tokens, max_n, min_n
+        self.flushed = False
 
-    def propose(self, batch: StepBatch, hidden: torch.Tensor, ctx: AttentionContext,
-                accepted: list[list[int]]) -> list[list[int]]:
+    def propose(self, batch: StepBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,
+                draft_meta: DraftMetadataFn) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
+        if k == 0:
+            return drafts
         for row in np.nonzero(batch.samples)[0].tolist():
             slot = int(batch.slots[row])
             tokens = self.states.all_token_ids[slot, : self.states.total_len_np[slot]].tolist()
-            drafts[row] = self.lookup(tokens)
+            drafts[row] = self.lookup(tokens)[:k]
         return drafts
 
     def lookup(self, tokens: list[int]) -> list[int]:

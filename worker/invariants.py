@@ -33,6 +33,8 @@ def check_admission(states: "RequestStates", slot: int) -> None:
     drafts = states.draft_tokens[slot].tolist()
     if any(d != -1 for d in drafts) or states.num_draft_tokens[slot] != 0:
         _fail("I2/I3", states, slot, f"draft tokens not reset on admission: {drafts}")
+    if states.mtp_pending[slot] != 0:
+        _fail("I2", states, slot, f"{states.mtp_pending[slot]} stashed MTP positions not reset on admission")
     total = int(states.total_len_np[slot])
     if states.num_computed_tokens_np[slot] > 0:
         last = int(states.last_sampled_tokens[slot])

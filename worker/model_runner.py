@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +22,9 @@ from worker.attention import AttentionContext, StepLayout, allocate_kv_caches
 from worker.compilation import ModelForward
 from worker.drafter import MTPDrafter, NgramDrafter, StepBatch
 from worker.model_loader import DTYPES, load_model, resolve_draft_dtype
-from worker.rejection_sampler import RejectionSampler
-from worker.sampler import Sampler, SamplingMetadata
+from worker.rejection_sampler import accept_matching_prefix
+from worker.sampler import GREEDY_TEMPERATURE_EPS, Sampler, SamplingMetadata, mix_seed, position_generator
+from worker.spec_policy import SpecPolicy, SpecPolicyMode
 from worker.states import RequestStates
 
 logger = logging.getLogger(__name__)
@@ -65,15 +68,22 @@ class ModelRunner:
         with torch.inference_mode():
             self.forward.warm_up(self.kv_views, self.block_size, -(-(max_len + lookahead) // self.block_size) + 1,
                                  self.device)
+        # Unseeded noise: the configured seed mixed with this instance's name, so that two engines
+        # started with the same --seed (P and D, two replicas) never draw the same noise.
+        noise_seed = mix_seed(config.seed, zlib.crc32(config.instance_name.encode()))
         self.states = RequestStates(config.max_num_seqs, max_len, -(-(max_len + lookahead) // self.block_size) + 1,
-                                    self.num_spec, self.device)
-        self.sampler = Sampler(seed=config.seed, device=self.device)
-        self.rejection_sampler = RejectionSampler(self.sampler)
+                                    self.num_spec, self.device, noise_seed=noise_seed)
+        self.sampler = Sampler(seed=noise_seed, device=self.device)
         self.drafter: MTPDrafter | NgramDrafter | None = None
         if config.speculative_method == "mtp":
-            self.drafter = MTPDrafter(self.model, self.states, self.kv_views, self.block_size, self.num_spec, self.device)
+            self.drafter = MTPDrafter(self.model, self.states, self.kv_views, self.block_size, self.num_spec,
+                                      self.device, self.sampler, model_cfg.sliding_window)
         elif config.speculative_method == "ngram":
             self.drafter = NgramDrafter(self.states, self.num_spec)
+        # n-gram drafts vary in length per row, which the cost model does not time: always fixed K.
+        mode = SpecPolicyMode(config.spec_policy) if config.speculative_method == "mtp" else SpecPolicyMode.FIXED
+        self.spec_policy = SpecPolicy(self.num_spec, mode)
+        self._last_step_end: float | None = None
         self.eos_token_ids = model_cfg.eos_token_ids
         self.check_invariants = invariants.enabled()
 
@@ -81,6 +91,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
+        start = time.perf_counter()
         self._update_states(sched)
         if not sched.num_scheduled_tokens:
             return RunnerOutput([], [], [])
@@ -95,8 +106,11 @@ class ModelRunner:
         self._write_back(batch, accepted)
         drafts = [[] for _ in batch.req_ids]
         if self.drafter is not None:
-            drafts = self.drafter.propose(batch, hidden, ctx, accepted)
-            self._store_drafts(batch, drafts)
+            k = self._choose_num_drafts(batch, accepted)
+            drafts = self.drafter.propose(batch, hidden, accepted, k, self._draft_metadata)
+            if k or batch.num_drafts.any():  # else nothing was verified or proposed: no buffer to update
+                self._store_drafts(batch, drafts)
+            self._time_step(batch, k, start)
         return RunnerOutput(batch.req_ids, accepted, drafts, logprobs)
 
     # -- pieces --------------------------------------------------------------------------
@@ -158,13 +172,15 @@ class ModelRunner:
             hidden = hidden[torch.from_numpy(positions).to(self.device)]
         logits = self.model.compute_logits(hidden)
         slots = batch.slots[rows]
-        meta = self._sampling_metadata(slots)
-        if not k.any():
-            tokens = self.sampler(logits, meta).sampled_token_ids.tolist()  # the step's one sync
-            kept = [[t] for t in tokens]
-        else:
-            drafts = [self.states.draft_tokens_np[s, :n].tolist() for s, n in zip(slots, k)]
-            kept = self.rejection_sampler(logits, k.tolist(), drafts, None, meta).accepted_token_ids
+        drafts = [self.states.draft_tokens_np[s, :n].tolist() for s, n in zip(slots, k)]
+        # Every verified position is sampled from the target with its own keyed noise; the drafts
+        # that equal those samples are kept (rejection_sampler.accept_matching_prefix).
+        pos_slots = np.repeat(slots, k + 1)
+        out_index = np.concatenate([np.arange(n, n + j + 1) for n, j in zip(self._num_output(slots), k)])
+        drafts_before = [d[:j] for d in drafts for j in range(len(d) + 1)]
+        meta = self._position_metadata(pos_slots, out_index, drafts_before)
+        targets = self.sampler(logits, meta).sampled_token_ids.tolist()  # the step's one sync
+        kept = accept_matching_prefix(targets, k.tolist(), drafts).accepted_token_ids
         for row, toks in zip(rows.tolist(), kept):
             accepted[row] = toks
         return accepted, self._logprobs(logits, k, slots, rows, kept, len(batch.req_ids))
@@ -188,41 +204,79 @@ class ModelRunner:
         idx = torch.from_numpy(batch.slots).to(self.device)
         st.draft_tokens[idx] = torch.from_numpy(st.draft_tokens_np[batch.slots]).to(self.device)
 
-    def _sampling_metadata(self, slots: np.ndarray) -> SamplingMetadata:
-        st = self.states
-        params = [st.sampling_params[s] for s in slots.tolist()]
-        dev = self.device
+    def _num_output(self, slots: np.ndarray) -> np.ndarray:
+        return self.states.total_len_np[slots] - self.states.prompt_len[slots]
+
+    def _position_metadata(self, slots: np.ndarray, out_index: np.ndarray,
+                           drafts_before: list[list[int]] | None) -> SamplingMetadata:
+        """One row per sampled output position: the request's settings, the generator keyed by
+        (seed, output index), the min_tokens ban of that index, and -- when `drafts_before` is
+        given and a penalty is on -- the penalty context a non-speculative step would see there."""
+        st, dev = self.states, self.device
+        slot_list, index_list = slots.tolist(), out_index.tolist()
+        params = [st.sampling_params[s] for s in slot_list]
 
         def col(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        need_penalties = any(p.needs_penalties for p in params)
+        temps = [p.temperature for p in params]
+        generators = [None if t < GREEDY_TEMPERATURE_EPS else position_generator(st.seeds[s], i, dev)
+                      for t, s, i in zip(temps, slot_list, index_list)]
+        # min_tokens: output index i may not stop while i < min_tokens (per position of a verify window).
+        banned = [list(self.eos_token_ids) + p.stop_token_ids if i < p.min_tokens else []
+                  for p, i in zip(params, index_list)]
         prompt_ids = output_ids = None
-        if need_penalties:
-            rows = [st.all_token_ids[s, : st.total_len_np[s]].tolist() for s in slots.tolist()]
-            plen = [int(st.prompt_len[s]) for s in slots.tolist()]
-            prompt_ids = [r[:n] for r, n in zip(rows, plen)]
-            output_ids = [r[n:] for r, n in zip(rows, plen)]
-        banned = None
-        num_out = st.total_len_np[slots] - st.prompt_len[slots]
-        if any(p.min_tokens > n for p, n in zip(params, num_out)):
-            banned = [list(self.eos_token_ids) + p.stop_token_ids if p.min_tokens > n else []
-                      for p, n in zip(params, num_out)]
+        if drafts_before is not None and any(p.needs_penalties for p in params):
+            tokens = {s: st.all_token_ids[s, : st.total_len_np[s]].tolist() for s in set(slot_list)}
+            prompt_ids = [tokens[s][: st.prompt_len[s]] for s in slot_list]
+            output_ids = [tokens[s][st.prompt_len[s]:] + d for s, d in zip(slot_list, drafts_before)]
         return SamplingMetadata(
-            temperature=col([p.temperature for p in params], torch.float32),
+            temperature=col(temps, torch.float32),
             top_k=col([p.top_k for p in params], torch.int32),
             top_p=col([p.top_p for p in params], torch.float32),
             min_p=col([p.min_p for p in params], torch.float32),
-            generators=[st.generators[s] for s in slots.tolist()],
+            generators=generators,
             repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
             frequency_penalty=col([p.frequency_penalty for p in params], torch.float32),
             presence_penalty=col([p.presence_penalty for p in params], torch.float32),
             prompt_token_ids=prompt_ids,
             output_token_ids=output_ids,
-            banned_token_ids=banned,
-            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
-            all_greedy=all(p.greedy for p in params),
+            banned_token_ids=banned if any(banned) else None,
+            max_num_logprobs=-1,
+            all_greedy=all(g is None for g in generators),
+            no_penalties=prompt_ids is None,
+            no_top_k=all(p.top_k <= 0 for p in params),
+            no_top_p=all(p.top_p >= 1.0 for p in params),
+            no_min_p=all(p.min_p <= 0.0 for p in params),
         )
+
+    def _draft_metadata(self, slots: np.ndarray, j: int) -> SamplingMetadata | None:
+        """For the drafter: the settings and keyed noise of the output position draft j will be
+        verified against (n_out + j, n_out counted after this step's write-back); no penalties."""
+        if all(self.states.sampling_params[s].temperature < GREEDY_TEMPERATURE_EPS for s in slots.tolist()):
+            return None
+        return self._position_metadata(slots, self._num_output(slots) + j, None)
+
+    # -- speculation policy --------------------------------------------------------------
+
+    def _choose_num_drafts(self, batch: StepBatch, accepted: list[list[int]]) -> int:
+        verified = np.nonzero(batch.samples & (batch.num_drafts > 0))[0]
+        if len(verified):
+            self.spec_policy.record_acceptance(batch.num_drafts[verified].tolist(),
+                                               [len(accepted[r]) - 1 for r in verified.tolist()])
+        return self.spec_policy.choose(int(batch.samples.sum()))
+
+    def _time_step(self, batch: StepBatch, k: int, start: float) -> None:
+        """Feed the cost model: steady-state decode steps only (every row verified k drafts and
+        proposed k; no prefill chunk, no stash flush), plus the engine's time between steps."""
+        end = time.perf_counter()
+        if self._last_step_end is not None and start - self._last_step_end < 0.05:
+            self.spec_policy.record_overhead(start - self._last_step_end)
+        self._last_step_end = end
+        steady = (batch.samples.all() and not batch.is_prefilling.any() and (batch.num_drafts == k).all()
+                  and not self.drafter.flushed)
+        if steady:
+            self.spec_policy.record_step(len(batch.slots), k, end - start)
 
     def _logprobs(self, logits: torch.Tensor, k: np.ndarray, slots: np.ndarray, rows: np.ndarray,
                   kept: list[list[int]], batch_size: int) -> list[list[TokenLogprobs]] | None:

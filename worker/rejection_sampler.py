@@ -5,6 +5,18 @@ predicts the token after the last accepted one (and so verifies draft 1),
 position ``j`` predicts the token after draft ``j`` (verifying draft ``j + 1``),
 and position ``k_b`` yields the bonus token when every draft is accepted.
 
+The engine verifies with :func:`accept_matching_prefix` (below): every position is
+sampled from the target distribution with noise keyed by (request seed, output
+index), and the drafts are accepted while they equal those samples. For a draft
+proposed deterministically this *is* the rejection sampling described next (it
+accepts with probability ``p(d)`` and, on a rejection, emits a token distributed as
+``p`` without ``d``), realised with a particular choice of randomness; for drafts
+drawn with that same keyed noise it is Gumbel-max coupling. Either way the emitted
+tokens are exactly what non-speculative sampling with the same noise emits, so a
+seeded request's output does not depend on how many drafts were verified when.
+:class:`RejectionSampler` keeps the standard algorithm for drafts drawn
+independently from a draft distribution ``q`` passed explicitly.
+
 Random requests use speculative rejection sampling (Leviathan et al. 2023,
 Chen et al. 2023): draft ``d`` with draft probability ``q(d)`` is accepted with
 probability ``min(1, p(d) / q(d))``; on the first rejection the emitted token is
@@ -24,8 +36,8 @@ greedy decoding produces.
 
 Randomness pattern (what makes seeded requests reproducible): when the batch is
 not all-greedy, a request with its own generator draws exactly ``k_b`` uniforms
-(``torch.rand``) and then exactly ``V`` exponentials (the race of
-:meth:`Sampler.sample_from_probs`) from that generator -- the same number
+(``torch.rand``) and then exactly ``V`` uniforms for the exponential race of
+:meth:`Sampler.sample_from_probs` from that generator -- the same number
 whatever is accepted and whoever else is in the batch. A request with
 ``k_b = 0`` therefore draws exactly what a plain :class:`Sampler` step would.
 Requests without a generator share batched draws from the sampler's default
@@ -62,6 +74,30 @@ class RejectionOutput:
     accepted_token_ids: list[list[int]]
     # Per request: how many drafts were accepted (0..k_b); the scheduler rolls back k_b minus this.
     num_accepted_drafts: list[int]
+
+
+def accept_matching_prefix(target_token_ids: Sequence[int], num_draft_tokens: Sequence[int],
+                           draft_token_ids: Sequence[Sequence[int]]) -> RejectionOutput:
+    """Verification by sampling: keep the drafts that equal the target's own samples, then one more.
+
+    ``target_token_ids`` holds, per request in order, the ``1 + k_b`` tokens the target
+    sampler drew at the verified positions (argmax for greedy rows, a draw with the
+    position's keyed noise for random rows). Draft ``j`` is accepted while it equals the
+    target token at position ``j``; the first mismatch (or the bonus position) contributes
+    the target's token. Each emitted token is the target's sample at its position given the
+    accepted prefix, so the output is distributed exactly as without speculation -- and for
+    a fixed noise it is the very same sequence.
+    """
+    accepted, num_accepted = [], []
+    start = 0
+    for k, drafts in zip(num_draft_tokens, draft_token_ids):
+        m = 0
+        while m < k and drafts[m] == target_token_ids[start + m]:
+            m += 1
+        accepted.append(list(drafts[:m]) + [int(target_token_ids[start + m])])
+        num_accepted.append(m)
+        start += 1 + k
+    return RejectionOutput(accepted_token_ids=accepted, num_accepted_drafts=num_accepted)
 
 
 class RejectionSampler:
@@ -179,7 +215,7 @@ class RejectionSampler:
                 # is the right distribution. sample_from_probs normalises implicitly.
                 use_residual = rejected & (residual.sum(dim=-1) > 0)
                 final_dist = torch.where(use_residual.unsqueeze(1), residual, final_p)
-            # B rows with the requests' own generators: exactly V exponentials per seeded row.
+            # B rows with the requests' own generators: exactly V uniforms per seeded row.
             sampled = self.sampler.sample_from_probs(final_dist, meta)
             final_tokens = torch.where(greedy, target_argmax[final_rows], sampled)
 

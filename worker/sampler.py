@@ -8,7 +8,7 @@ separately:
     raw logprobs (if asked) -> apply_penalties_and_bans -> compute_probs -> sample_from_probs
 
 Reproducibility contract: a random row with its own ``torch.Generator`` draws
-exactly ``V`` exponential variates from that generator per sampled token, and
+exactly ``V`` uniform variates (turned into exponentials) from that generator per sampled token, and
 every other stage is row-wise. Its token therefore depends only on its seed, its
 generator's history and its own logits -- never on the batch size, its position
 in the batch or the other rows. Rows without a generator share one batched draw
@@ -29,17 +29,46 @@ logger = logging.getLogger(__name__)
 # the logits, and the distribution is a point mass at that precision anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
-# exponential_() may return exactly 0.0; probs / 0 would give inf (or NaN for a
+# -log(1 - U) is exactly 0.0 when U = 0; probs / 0 would give inf (or NaN for a
 # zero-probability token, and argmax picks NaN). Clamping to the smallest normal
 # float keeps zero-probability tokens at exactly 0 and changes nothing else.
 _MIN_EXP_SAMPLE = torch.finfo(torch.float32).tiny
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A ``torch.Generator`` on ``device`` seeded with ``seed`` (what a request slot should own)."""
+    """A ``torch.Generator`` on ``device`` seeded with ``seed``."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed from integers, through splitmix64 (distinct inputs give unrelated streams).
+
+    ``torch.Generator.manual_seed(s)`` and ``manual_seed(s + 1)`` are already unrelated
+    streams, but ``(seed, position)`` pairs need one integer each that never collides for
+    nearby pairs: hashing, not adding, gives that.
+    """
+    x = 0x9E3779B97F4A7C15
+    for part in parts:
+        x = (x ^ (part & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+        x ^= x >> 31
+    return x >> 1
+
+
+def position_generator(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator of output position ``position`` of a request with ``seed`` (DESIGN.md §4).
+
+    Randomness keyed by (seed, output index) only, never by a stream's history, is what makes a
+    seeded token the same on P or D, in any slot, before or after preemption, and what lets the
+    drafter draw a draft with the very noise its verifier will use. A fresh generator costs
+    about 2 us on CPU against about 25 us for the V variates drawn from it.
+    """
+    return make_generator(mix_seed(seed, position), device)
 
 
 @dataclass
@@ -380,7 +409,7 @@ class Sampler:
         """Draw one token per row from ``probs`` ``[B, V]`` (rows need not be normalised).
 
         Exponential race: with q_i ~ Exp(1) i.i.d., argmax_i p_i / q_i is distributed as
-        p / sum(p). Seeded rows draw their ``V`` variates from their own generator, so the
+        p / sum(p). Seeded rows draw their ``V`` uniforms from their own generator, so the
         result is independent of the rest of the batch; the others share one batched draw.
         Greedy rows return the argmax of their (one-hot) row; whether their generator is
         advanced does not matter, since a greedy request never uses randomness.
@@ -395,10 +424,10 @@ class Sampler:
         unseeded = [r for r, g in enumerate(meta.generators) if g is None]
         default_gen = self._default_generator(probs.device) if unseeded else None
         if len(unseeded) == num_rows:
-            q.exponential_(generator=default_gen)
+            q.uniform_(generator=default_gen)
         elif unseeded:
             idx = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
-            q[idx] = torch.empty(len(unseeded), vocab, device=probs.device).exponential_(generator=default_gen)
+            q[idx] = torch.empty(len(unseeded), vocab, device=probs.device).uniform_(generator=default_gen)
         for r, gen in enumerate(meta.generators):
             if gen is None:
                 continue
@@ -407,7 +436,11 @@ class Sampler:
                     f"row {r}: its generator is on {gen.device} but the logits are on {probs.device}; "
                     "create per-request generators on the model's device"
                 )
-            q[r].exponential_(generator=gen)  # contiguous row view: exactly V draws
+            q[r].uniform_(generator=gen)  # contiguous row view: exactly V draws
+        # Exp(1) = -log(1 - U), transformed for the whole batch at once: uniform_ plus one
+        # vectorised log1p costs a quarter of exponential_ (about 25 us against 120 us per
+        # 4096-token row on CPU), and every random position of a step pays it.
+        q.neg_().log1p_().neg_()
 
         race = (probs.float() / q.clamp_min_(_MIN_EXP_SAMPLE)).argmax(dim=-1)
         greedy = meta.temperature < GREEDY_TEMPERATURE_EPS

@@ -5,6 +5,8 @@ read. Slots are handed out LIFO so that a stale-state bug shows at once.
 """
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import torch
 
@@ -14,7 +16,7 @@ from scheduler.output import CachedRequestData, NewRequestData
 
 class RequestStates:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_req: int, max_draft_tokens: int,
-                 device: torch.device) -> None:
+                 device: torch.device, noise_seed: int = 0) -> None:
         s, i32 = max_num_seqs, np.int32
         self.max_num_seqs = s
         self.device = device
@@ -33,7 +35,13 @@ class RequestStates:
         self.block_table = np.zeros((s, max_blocks_per_req), i32)
         self.num_blocks = np.zeros(s, i32)
         self.sampling_params: list[SamplingParams | None] = [None] * s
-        self.generators: list[torch.Generator | None] = [None] * s
+        # Per slot: the seed that keys the randomness of each output position (DESIGN.md §4): the
+        # request's own, or for an unseeded request one drawn at admission from this instance's
+        # stream (`noise_seed` differs between engine instances, so P and D never share noise).
+        self.seeds: list[int] = [0] * s
+        self._unseeded = random.Random(noise_seed)
+        # MTP layer positions still owed KV (decode steps taken without drafting; worker/drafter.py).
+        self.mtp_pending = np.zeros(s, i32)
 
         # Device side.
         self.all_token_ids = torch.zeros(s, max_model_len, dtype=torch.int32, device=device)
@@ -68,6 +76,7 @@ class RequestStates:
 
         # I2: reset everything that can be read before it is written, on every admission.
         self.reset_drafts(slot)
+        self.mtp_pending[slot] = 0  # whatever is computed on admission came with its MTP KV (prefill, P)
         if computed > 0:
             self.seed_last_sampled(slot, tokens[total - 1])
 
@@ -77,11 +86,7 @@ class RequestStates:
 
         params = new.sampling_params
         self.sampling_params[slot] = params
-        self.generators[slot] = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
-            self.generators[slot] = gen
+        self.seeds[slot] = params.seed if params.seed is not None else self._unseeded.getrandbits(63)
         return slot
 
     def reset_drafts(self, slot: int) -> None:
@@ -120,7 +125,6 @@ class RequestStates:
             return
         self.slot_req_id[slot] = None
         self.sampling_params[slot] = None
-        self.generators[slot] = None
         self.free_slots.append(slot)  # LIFO: the next admission reuses this slot
 
     def is_prefilling(self, slots: np.ndarray) -> np.ndarray:

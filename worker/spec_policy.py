@@ -1,0 +1,247 @@
+"""How many draft tokens to propose each step (0..K), so that speculation never slows serving.
+
+Expected tokens per request-step with k drafts is ``E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i``
+where ``a_i`` is the acceptance rate of draft ``i`` given drafts ``1..i-1`` were accepted
+(a running mean of verified drafts, then an EWMA). A step's cost ``C(b, k)`` -- verifying ``b * (1 + k)`` tokens
+plus drafting ``k`` -- is measured online from the runner's own step timings (the median of
+the last few), per batch-size bucket, plus the time the engine spends outside the runner
+between steps. The policy picks the k that maximises ``E(k) / C(b, k)`` (tokens per second;
+``b`` cancels); a bucket seen only in passing borrows its neighbours' timings. Ideas from vLLM's
+disable-by-batch-size and from goodput-based SmartSpec, but measured rather than configured:
+on a CPU a verify step's cost grows with its rows, so the best k depends on the batch.
+
+Every k of a bucket is first held for a few steps to measure it (warm-up), and the bucket
+re-measures its least recently timed k -- soon at first, then every `explore_every` steps --
+so a changed machine load or workload is noticed. Acceptance is only observed while drafting; a k=0 regime keeps its
+old estimate until the next exploration.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+class SpecPolicyMode(enum.StrEnum):
+    ADAPTIVE = "adaptive"
+    FIXED = "fixed"
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Buckets of similar cost: exact up to 4, then halfway points between powers of two."""
+    if batch_size <= 4:
+        return batch_size
+    p = 1 << (batch_size.bit_length() - 1)
+    return p if batch_size < p + p // 2 else p + p // 2
+
+
+@dataclass
+class Ewma:
+    value: float
+    count: int = 0
+
+    def update(self, x: float, alpha: float) -> None:
+        self.value = x if self.count == 0 else self.value + alpha * (x - self.value)
+        self.count += 1
+
+
+@dataclass
+class RecentMedian:
+    """Median of the last `size` samples, each stamped with the bucket's decision counter. On a
+    shared machine step times spike (another process takes the core), and one spike must not
+    flip the decision the way it moves a mean."""
+
+    size: int = 9
+    samples: deque = field(default_factory=deque)  # (stamp, seconds)
+    count: int = 0
+
+    def update(self, stamp: int, x: float) -> None:
+        self.samples.append((stamp, x))
+        if len(self.samples) > self.size:
+            self.samples.popleft()
+        self.count += 1
+
+    @property
+    def value(self) -> float:
+        return statistics.median(x for _, x in self.samples) if self.samples else 0.0
+
+
+@dataclass
+class BucketCosts:
+    """Step seconds per k for one batch-size bucket."""
+
+    steps: list[RecentMedian]
+    last_measured: list[int]          # decision counter when each k was last explored
+    decisions: int = 0
+    explorations: int = 0
+
+    ratios: list[RecentMedian] = field(default_factory=list)  # per k: C(k) / C(0) from explorations
+
+    def ratio(self, k: int) -> float | None:
+        return self.ratios[k].value if self.ratios[k].count else None
+
+
+@dataclass
+class Exploration:
+    """k held for a few steps, then k=0 right after: on a machine whose speed drifts (other
+    processes come and go) the ratio of the two compares like with like."""
+
+    bucket: int
+    k: int
+    plan: list[int]
+    timed_k: list[float] = field(default_factory=list)
+    timed_0: list[float] = field(default_factory=list)
+
+
+@dataclass
+class SpecPolicy:
+    num_spec: int
+    mode: SpecPolicyMode = SpecPolicyMode.ADAPTIVE
+    prior_acceptance: float = 0.5
+    acceptance_alpha: float = 0.01    # per verified draft
+    warmup_samples: int = 3           # timed steady-state steps of k=0 before exploiting
+    warmup_pairs: int = 2             # explorations (k, then k=0) per k>0 before exploiting
+    hold_steps: int = 3               # an exploration holds k this long past the transition step
+    explore_every: int = 500          # decisions per bucket between re-measurements (at most)
+    first_reexplore: int = 32         # ... starting this soon and doubling
+    settle_decisions: int = 16        # decisions at a bucket before it is measured for itself
+    margin: float = 1.03              # how much faster drafting must look than not drafting ...
+    doubt: float = 0.2                # ... plus this over the number of cost ratios behind it
+    acceptance: list[Ewma] = field(default_factory=list)
+    buckets: dict[int, BucketCosts] = field(default_factory=dict)
+    overhead: Ewma = field(default_factory=lambda: Ewma(0.0))
+    chosen_k_counts: list[int] = field(default_factory=list)  # decisions per k (exported as a metric)
+    _exploration: Exploration | None = None
+
+    def __post_init__(self) -> None:
+        self.acceptance = [Ewma(self.prior_acceptance) for _ in range(self.num_spec)]
+        self.chosen_k_counts = [0] * (self.num_spec + 1)
+
+    # -- observations ----------------------------------------------------------------------
+
+    def record_acceptance(self, num_drafts: list[int], num_accepted: list[int]) -> None:
+        """One verify step: row r verified num_drafts[r] drafts and accepted num_accepted[r]."""
+        for i in range(self.num_spec):
+            seen = [m > i for k, m in zip(num_drafts, num_accepted) if k > i and m >= i]
+            if not seen:
+                continue
+            est, n = self.acceptance[i], len(seen)
+            # A plain mean of everything seen until there are 1/alpha observations (the first
+            # few drafts must not count for more than they are worth), an EWMA after that;
+            # a batch of n observations weighs like n single updates.
+            alpha = max(1 - (1 - self.acceptance_alpha) ** n, n / (est.count + n))
+            est.value += alpha * (sum(seen) / n - est.value)
+            est.count += n
+
+    def record_step(self, batch_size: int, k: int, seconds: float) -> None:
+        """A steady-state decode step: every row verified k drafts and proposed k for the next."""
+        costs = self._bucket(batch_size)
+        costs.steps[k].update(costs.decisions, seconds)
+        e = self._exploration
+        if e is not None and e.bucket == batch_bucket(batch_size) and k in (e.k, 0):
+            (e.timed_k if k == e.k else e.timed_0).append(seconds)
+
+    def record_overhead(self, seconds: float) -> None:
+        """Engine time between two runner steps (scheduling, output processing)."""
+        self.overhead.update(seconds, 0.05)
+
+    # -- the decision ----------------------------------------------------------------------
+
+    def expected_tokens(self, k: int) -> float:
+        total, run = 1.0, 1.0
+        for i in range(k):
+            run *= self.acceptance[i].value
+            total += run
+        return total
+
+    def choose(self, batch_size: int) -> int:
+        k = self.num_spec if self.mode is SpecPolicyMode.FIXED or batch_size == 0 else self._adaptive(batch_size)
+        self.chosen_k_counts[k] += 1
+        return k
+
+    def _adaptive(self, batch_size: int) -> int:
+        bucket = batch_bucket(batch_size)
+        costs = self._bucket(batch_size)
+        costs.decisions += 1
+        e = self._exploration
+        if e is not None and e.bucket == bucket and e.plan:
+            return e.plan.pop(0)
+        if e is not None and e.k and e.timed_k and e.timed_0:
+            ratio = statistics.median(e.timed_k) / statistics.median(e.timed_0)
+            explored = self.buckets[e.bucket]
+            explored.ratios[e.k].update(explored.decisions, ratio)
+        self._exploration = None
+        estimates = self.cost_estimates(bucket)
+        unmeasured = [k for k in range(self.num_spec, -1, -1)
+                      if (costs.ratios[k].count < self.warmup_pairs if k else costs.steps[0].count < self.warmup_samples)]
+        # A bucket passed through briefly (a batch draining) decides from its neighbours' timings;
+        # one that keeps coming back, or one nothing is known about, gets measured.
+        settled = costs.decisions > self.settle_decisions or None in estimates
+        stale = min(range(self.num_spec + 1), key=lambda k: costs.last_measured[k])
+        # Re-measure early and often while the estimates rest on few samples, then every explore_every.
+        interval = min(self.explore_every, self.first_reexplore << costs.explorations)
+        if (unmeasured and settled) or costs.decisions - costs.last_measured[stale] > interval:
+            k = unmeasured[0] if unmeasured and settled else stale
+            costs.explorations += 1
+            # Hold k (its first step is a transition, not timed), then k=0 right after, for the ratio.
+            plan = [k] * self.hold_steps + ([0] * (self.hold_steps + 1) if k else [])
+            costs.last_measured[k] = costs.last_measured[0] = costs.decisions
+            self._exploration = Exploration(bucket, k, plan)
+            return k
+        return self.best_k(bucket)
+
+    def cost_estimates(self, bucket: int) -> list[float | None]:
+        """Seconds per step for each k at `bucket`: k=0 as measured (or the nearest bucket's);
+        k>0 as that times the measured ratio C(k)/C(0) here, else at the nearest bucket that has
+        one, else the raw measurement."""
+        base = self._nearest(bucket, lambda c: c.steps[0].value if c.steps[0].count else None)
+        out: list[float | None] = [base]
+        for k in range(1, self.num_spec + 1):
+            ratio = self._nearest(bucket, lambda c, k=k: c.ratio(k))
+            if ratio is not None and base is not None:
+                out.append(base * ratio)
+            else:
+                out.append(self._nearest(bucket, lambda c, k=k: c.steps[k].value if c.steps[k].count else None))
+        return out
+
+    def _nearest(self, bucket: int, get) -> float | None:
+        for _, b in sorted((abs(b - bucket), b) for b in self.buckets):
+            value = get(self.buckets[b])
+            if value is not None:
+                return value
+        return None
+
+    def best_k(self, bucket: int) -> int:
+        """The k of the highest expected tokens/s. Drafting must beat k=0 by `margin` plus a doubt
+        that shrinks with the number of cost ratios behind it (timings are noisy, and in doubt
+        not drafting is the safe choice)."""
+        estimates = self.cost_estimates(bucket)
+        if estimates[0] is None:
+            return self.num_spec
+        overhead = self.overhead.value
+        rates = [self.expected_tokens(k) / (c + overhead) if c is not None else 0.0 for k, c in enumerate(estimates)]
+        best = max(range(1, self.num_spec + 1), key=rates.__getitem__, default=0)
+        evidence = self._nearest(bucket, lambda c: c.ratios[best].count or None) or 1
+        return best if rates[best] > rates[0] * (self.margin + self.doubt / evidence) else 0
+
+    def _bucket(self, batch_size: int) -> BucketCosts:
+        bucket = batch_bucket(batch_size)
+        costs = self.buckets.get(bucket)
+        if costs is None:
+            n = self.num_spec + 1
+            costs = BucketCosts([RecentMedian() for _ in range(n)], [0] * n, ratios=[RecentMedian() for _ in range(n)])
+            self.buckets[bucket] = costs
+        return costs
+
+    def summary(self) -> str:
+        acc = " ".join(f"{a.value:.2f}" for a in self.acceptance)
+        parts = []
+        for bucket, costs in sorted(self.buckets.items()):
+            ms = " ".join(f"{c.value * 1e3:.1f}" for c in costs.steps)
+            ratios = " ".join(f"{r:.2f}" if (r := costs.ratio(k)) is not None else "-" for k in range(1, self.num_spec + 1))
+            parts.append(f"b{bucket}: [{ms}] ms, C(k)/C(0) [{ratios}] -> k={self.best_k(bucket)}")
+        return f"acceptance [{acc}]; " + "; ".join(parts)
