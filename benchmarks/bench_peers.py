@@ -140,8 +140,12 @@ class Online:
         )
 
 
+# Thread layouts `pdserve serve` does not default to: rows only when asked for with --systems.
+LAYOUT_VARIANTS = ("colocated-2t", "pd-pinned")
+
+
 def workloads(quick: bool) -> tuple[list[Offline], dict[str, Online]]:
-    all_systems = ("vllm", "colocated", "pd", "default")
+    all_systems = ("vllm", "colocated", "pd", "default", *LAYOUT_VARIANTS)
     if quick:
         offline = [Offline("16x16", 16, 16), Offline("32x32", 32, 32)]
         online = {
@@ -282,6 +286,18 @@ def systems(args: argparse.Namespace, stripped: Path, original: Path) -> dict[st
                 str(args.max_num_seqs),
             ],
             pd_env,
+        ),
+        # Thread layouts that `pdserve serve` does not pick by default, for comparing layouts
+        # (`--systems colocated,colocated-2t,pd,pd-pinned --parts serving`).
+        "colocated-2t": System(
+            "colocated-2t", "pdserve colocated, no spec, 2 threads", "pdserve",
+            [*pdserve, "--model", str(stripped), "--mode", "colocated", "--speculative-method", "none",
+             "--max-num-seqs", str(args.max_num_seqs), "--num-threads", "2"], pd_env,
+        ),
+        "pd-pinned": System(
+            "pd-pinned", "pdserve PD, no spec, engines pinned", "pdserve",
+            [*pdserve, "--model", str(stripped), "--mode", "pd", "--speculative-method", "none",
+             "--max-num-seqs", str(args.max_num_seqs), "--cpu-affinity", "pin"], pd_env,
         ),
         # `make serve`: `pdserve serve` with no flags, i.e. PD + MTP on the checkpoint with its MTP layer.
         "default": System(
@@ -501,7 +517,7 @@ def markdown(
         "median over rounds; `peers.json` keeps each round's values",
         f"- vLLM server: `{meta['vllm_flags']}`, env `{meta['vllm_env']}`",
         f"- pdserve servers: `pdserve serve` defaults ({meta['pdserve_flags']}); PD: 1 prefill + 1 decode engine, "
-        "1 torch thread each; colocated: 1 engine, 2 threads",
+        "1 torch thread each; colocated: 1 engine, 1 thread (one core is left to the front end)",
         "- serving metrics are `pdserve bench`'s (vLLM `bench serve` definitions, client side): TTFT to the "
         "first streamed chunk, ITL between chunks (an MTP chunk can carry several tokens); each measured run "
         "follows a short unrecorded warm-up of the same shape",
@@ -541,6 +557,8 @@ def markdown(
         ]
         for key in wl.systems:
             r = res.get(key)
+            if r is None and key in LAYOUT_VARIANTS:
+                continue
             if r is None:
                 L.append(f"| {titles[key]} | not run |" + " |" * 10)
                 continue

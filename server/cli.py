@@ -155,7 +155,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     colocated = args.mode == ServeMode.COLOCATED
     roles = ([(EngineRole.COLOCATED, 1)] if colocated
              else [(EngineRole.PREFILL, args.num_prefill), (EngineRole.DECODE, args.num_decode)])
-    threads = args.num_threads or max(1, (os.cpu_count() or 2) // sum(n for _, n in roles))
+    # One core stays with the front end (HTTP, detokenizer, the engines' ZMQ traffic), as vLLM leaves
+    # one to its API server: on 2 cores a colocated engine with 1 thread serves 16 streams faster than
+    # with 2, whose OpenMP barriers stall whenever the front end takes a core (benchmarks/results/layout.txt).
+    threads = args.num_threads or max(1, ((os.cpu_count() or 2) - 1) // sum(n for _, n in roles))
     children: list[subprocess.Popen] = []
     # Engine health ports are for engines deployed one per container; here every child would
     # inherit the same port and all but one would fail to bind it. The front end's /health covers them.

@@ -100,6 +100,46 @@ def accept_matching_prefix(target_token_ids: Sequence[int], num_draft_tokens: Se
     return RejectionOutput(accepted_token_ids=accepted, num_accepted_drafts=num_accepted)
 
 
+@dataclass
+class _DraftIndex:
+    """Where each request's drafts sit: host lists and their device copies (O(sum k_b) host work)."""
+
+    ks: list[int]                 # k_b per request
+    draft_starts: list[int]       # first flat draft index of request b
+    num_drafts: int
+    drafts: torch.Tensor          # [sum k] the draft tokens, flat
+    req_of_draft: torch.Tensor    # [sum k] request of each draft
+    pos_of_draft: torch.Tensor    # [sum k] its position in its request's window
+    verify_rows: torch.Tensor     # [sum k] logits row that verifies it (draft j of b: position j)
+    ks_t: torch.Tensor
+    row_starts: torch.Tensor      # [B] first logits row of each request
+    draft_starts_t: torch.Tensor
+
+    @classmethod
+    def build(cls, ks: list[int], draft_token_ids: Sequence[Sequence[int]], device: torch.device) -> _DraftIndex:
+        def long_tensor(values: Sequence[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+        row_starts = list(itertools.accumulate((1 + k for k in ks), initial=0))[:-1]
+        draft_starts = list(itertools.accumulate(ks, initial=0))[:-1]
+        req_of_draft = [b for b, k in enumerate(ks) for _ in range(k)]
+        pos_of_draft = [j for k in ks for j in range(k)]
+        return cls(ks, draft_starts, sum(ks), long_tensor(list(itertools.chain.from_iterable(draft_token_ids))),
+                   long_tensor(req_of_draft), long_tensor(pos_of_draft),
+                   long_tensor([row_starts[b] + j for b, j in zip(req_of_draft, pos_of_draft)]),
+                   long_tensor(ks), long_tensor(row_starts), long_tensor(draft_starts))
+
+    def accepted_prefix(self, accept: torch.Tensor) -> torch.Tensor:
+        """[B] number of accepted drafts: the length of each request's all-accepted prefix."""
+        num_reqs, max_k = len(self.ks), max(self.ks)
+        if max_k == 0:
+            return torch.zeros(num_reqs, dtype=torch.long, device=accept.device)
+        # Padding beyond k_b stays False, so the prefix can never run past k_b.
+        padded = torch.zeros(num_reqs, max_k, dtype=torch.long, device=accept.device)
+        padded[self.req_of_draft, self.pos_of_draft] = accept.long()
+        return padded.cumprod(dim=1).sum(dim=1)
+
+
 class RejectionSampler:
     """Verifies draft tokens against the target model's logits (see the module docstring).
 
@@ -135,100 +175,73 @@ class RejectionSampler:
             return RejectionOutput(accepted_token_ids=[], num_accepted_drafts=[])
         if meta.all_greedy and meta.no_penalties and meta.banned_token_ids is None:
             return self._greedy(logits, num_draft_tokens, draft_token_ids)
-        device = logits.device
-        ks = list(num_draft_tokens)
-        max_k = max(ks)
-        num_drafts = sum(ks)
-
-        # Host-side index bookkeeping, O(sum k_b) Python work.
-        row_starts = list(itertools.accumulate((1 + k for k in ks), initial=0))[:-1]
-        draft_starts = list(itertools.accumulate(ks, initial=0))[:-1]
-        req_of_draft = [b for b, k in enumerate(ks) for _ in range(k)]
-        pos_of_draft = [j for k in ks for j in range(k)]
-        flat_drafts = list(itertools.chain.from_iterable(draft_token_ids))
-
-        def long_tensor(values: Sequence[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
-
-        drafts_t = long_tensor(flat_drafts)
-        req_of_draft_t = long_tensor(req_of_draft)
-        # Logits row that verifies each draft: draft j of request b is checked by position j.
-        verify_rows = long_tensor([row_starts[b] + j for b, j in zip(req_of_draft, pos_of_draft)])
-        ks_t = long_tensor(ks)
-        row_starts_t = long_tensor(row_starts)
-        draft_starts_t = long_tensor(draft_starts)
-
+        ix = _DraftIndex.build(list(num_draft_tokens), draft_token_ids, logits.device)
         # One metadata row per position, then penalties/bans and the target distribution
         # for all positions at once.
-        pos_meta = self._expand_meta(meta, ks, draft_token_ids)
+        pos_meta = self._expand_meta(meta, ix.ks, draft_token_ids)
         logits = self.sampler.apply_penalties_and_bans(logits.float(), pos_meta)
         target_argmax = logits.argmax(dim=-1)  # [T]: the greedy target at every position
-        greedy = meta.temperature < GREEDY_TEMPERATURE_EPS  # [B]
-
-        # ---- accept/reject every draft (independently; the prefix is taken below)
-        greedy_accept = target_argmax[verify_rows] == drafts_t
-        if meta.all_greedy:
-            probs = None
-            accept = greedy_accept
-        else:
-            probs = self.sampler.compute_probs(logits, pos_meta)  # [T, V]
-            p_draft = probs[verify_rows, drafts_t]
-            if draft_probs is None:
-                q_draft = torch.ones_like(p_draft)
-            else:
-                draft_probs = draft_probs.to(device=device, dtype=torch.float32)
-                q_draft = draft_probs[torch.arange(num_drafts, device=device), drafts_t]
-            uniforms = self._draw_uniforms(meta, ks, draft_starts, num_drafts, device)
-            # u < p/q written without the division: accepts with probability min(1, p/q),
-            # never accepts a token the target rules out (p = 0), and needs no q > 0 guard.
-            random_accept = uniforms * q_draft < p_draft
-            accept = torch.where(greedy[req_of_draft_t], greedy_accept, random_accept)
-
-        # ---- number of accepted drafts = length of the all-accepted prefix
-        if max_k > 0:
-            # Padding beyond k_b stays False, so the prefix can never run past k_b.
-            padded = torch.zeros(num_reqs, max_k, dtype=torch.long, device=device)
-            padded[req_of_draft_t, long_tensor(pos_of_draft)] = accept.long()
-            num_accepted = padded.cumprod(dim=1).sum(dim=1)
-        else:
-            num_accepted = torch.zeros(num_reqs, dtype=torch.long, device=device)
-
-        # ---- the one token after the accepted prefix: recovered (rejection) or bonus
-        final_rows = row_starts_t + num_accepted  # logits row of the first unaccepted position
-        if probs is None:
-            final_tokens = target_argmax[final_rows]
-        else:
-            final_p = probs[final_rows]  # [B, V]
-            rejected = num_accepted < ks_t
-            # Index of the rejected draft (clamped so all-accepted rows index something valid;
-            # their residual is masked out below).
-            rej_draft = (draft_starts_t + num_accepted).clamp(max=max(num_drafts - 1, 0))
-            if num_drafts == 0:
-                final_dist = final_p
-            else:
-                if draft_probs is None:
-                    final_q = torch.zeros_like(final_p).scatter_(1, drafts_t[rej_draft].unsqueeze(1), 1.0)
-                else:
-                    final_q = draft_probs[rej_draft]
-                residual = (final_p - final_q).clamp_min_(0.0)
-                # p == q leaves nothing: a rejection then only happens for p(d) = 0, and p itself
-                # is the right distribution. sample_from_probs normalises implicitly.
-                use_residual = rejected & (residual.sum(dim=-1) > 0)
-                final_dist = torch.where(use_residual.unsqueeze(1), residual, final_p)
-            # B rows with the requests' own generators: exactly V uniforms per seeded row.
-            sampled = self.sampler.sample_from_probs(final_dist, meta)
-            final_tokens = torch.where(greedy, target_argmax[final_rows], sampled)
-
-        # ---- back to Python lists (the one device sync of the call)
+        probs = None if meta.all_greedy else self.sampler.compute_probs(logits, pos_meta)  # [T, V]
+        if draft_probs is not None:
+            draft_probs = draft_probs.to(device=logits.device, dtype=torch.float32)
+        accept = self._accept_each(ix, target_argmax, probs, draft_probs, meta)
+        num_accepted = ix.accepted_prefix(accept)
+        final_tokens = self._final_tokens(ix, num_accepted, target_argmax, probs, draft_probs, meta)
+        # Back to Python lists (the one device sync of the call).
         num_accepted_list, final_list = torch.stack([num_accepted, final_tokens.long()]).tolist()
         accepted_token_ids = [
             list(draft_token_ids[b][:m]) + [tok] for b, (m, tok) in enumerate(zip(num_accepted_list, final_list))
         ]
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "verified %d drafts over %d requests: %d accepted", num_drafts, num_reqs, sum(num_accepted_list)
-            )
+            logger.debug("verified %d drafts over %d requests: %d accepted", ix.num_drafts, num_reqs,
+                         sum(num_accepted_list))
         return RejectionOutput(accepted_token_ids=accepted_token_ids, num_accepted_drafts=num_accepted_list)
+
+    def _accept_each(self, ix: _DraftIndex, target_argmax: torch.Tensor, probs: torch.Tensor | None,
+                     draft_probs: torch.Tensor | None, meta: SamplingMetadata) -> torch.Tensor:
+        """Accept/reject every draft independently (the prefix is taken afterwards)."""
+        greedy_accept = target_argmax[ix.verify_rows] == ix.drafts
+        if probs is None:
+            return greedy_accept
+        p_draft = probs[ix.verify_rows, ix.drafts]
+        if draft_probs is None:
+            q_draft = torch.ones_like(p_draft)
+        else:
+            q_draft = draft_probs[torch.arange(ix.num_drafts, device=probs.device), ix.drafts]
+        uniforms = self._draw_uniforms(meta, ix.ks, ix.draft_starts, ix.num_drafts, probs.device)
+        # u < p/q written without the division: accepts with probability min(1, p/q),
+        # never accepts a token the target rules out (p = 0), and needs no q > 0 guard.
+        random_accept = uniforms * q_draft < p_draft
+        greedy = meta.temperature < GREEDY_TEMPERATURE_EPS  # [B]
+        return torch.where(greedy[ix.req_of_draft], greedy_accept, random_accept)
+
+    def _final_tokens(self, ix: _DraftIndex, num_accepted: torch.Tensor, target_argmax: torch.Tensor,
+                      probs: torch.Tensor | None, draft_probs: torch.Tensor | None,
+                      meta: SamplingMetadata) -> torch.Tensor:
+        """The one token after the accepted prefix: recovered (after a rejection) or the bonus."""
+        final_rows = ix.row_starts + num_accepted  # logits row of the first unaccepted position
+        if probs is None:
+            return target_argmax[final_rows]
+        final_p = probs[final_rows]  # [B, V]
+        final_dist = final_p
+        if ix.num_drafts:
+            rejected = num_accepted < ix.ks_t
+            # Index of the rejected draft (clamped so all-accepted rows index something valid;
+            # their residual is masked out below).
+            rej_draft = (ix.draft_starts_t + num_accepted).clamp(max=ix.num_drafts - 1)
+            if draft_probs is None:
+                final_q = torch.zeros_like(final_p).scatter_(1, ix.drafts[rej_draft].unsqueeze(1), 1.0)
+            else:
+                final_q = draft_probs[rej_draft]
+            residual = (final_p - final_q).clamp_min_(0.0)
+            # p == q leaves nothing: a rejection then only happens for p(d) = 0, and p itself
+            # is the right distribution. sample_from_probs normalises implicitly.
+            use_residual = rejected & (residual.sum(dim=-1) > 0)
+            final_dist = torch.where(use_residual.unsqueeze(1), residual, final_p)
+        # B rows with the requests' own generators: exactly V uniforms per seeded row.
+        sampled = self.sampler.sample_from_probs(final_dist, meta)
+        greedy = meta.temperature < GREEDY_TEMPERATURE_EPS
+        return torch.where(greedy, target_argmax[final_rows], sampled)
 
     # ------------------------------------------------------------------ helpers
 
