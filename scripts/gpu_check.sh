@@ -7,7 +7,7 @@ export PYTHONPATH=$PWD PDSERVE_DEBUG_INVARIANTS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 nvidia-smi -L
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda.py tests/test_attention.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 # Offline throughput on a mid-size random Qwen2 (no weights can be fetched there).
 python3 - <<'PY'
 import torch, transformers

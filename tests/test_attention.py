@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from worker import cpu_attention
-from worker.attention import PAGED_MAX_QUERY, AttentionContext, StepLayout, allocate_kv_caches
+from worker.attention import PAGED_MAX_QUERY, AttentionContext, allocate_kv_caches
+from worker.input_batch import StepLayout
 
 BLOCK = 16
 

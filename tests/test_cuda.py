@@ -42,3 +42,18 @@ def test_cuda_bf16_and_sampling(checkpoints):
     a = llm.generate(prompts, seeded)
     b = llm.generate(prompts[:1], seeded)
     assert a[0].token_ids == b[0].token_ids and all(len(o.token_ids) == 16 for o in a)
+
+
+def test_cuda_compiled_forward_and_triton_attention(checkpoints, references):
+    """On CUDA the model is compiled by default and attention runs the Triton paged kernel."""
+    from worker.attention import default_backend
+
+    assert default_backend(torch.device("cuda")) == "triton"
+    llm = LLM(str(checkpoints["qwen2"]), device="cuda", max_model_len=400, block_size=4, max_num_batched_tokens=64)
+    assert llm.engine.runner.forward.compiled is not None
+    prompts = random_prompts(16, 1, 300, 384, 93)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+    exact = sum(references["qwen2"].assert_matches(p, o.token_ids, NEW, f"cuda-compiled/{i}")
+                for i, (p, o) in enumerate(zip(prompts, outs)))
+    assert exact >= len(prompts) - 2
+    assert llm.engine.runner.forward.num_graphs <= 2

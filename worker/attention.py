@@ -29,30 +29,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from worker.input_batch import StepLayout
+
 PAGED_MAX_QUERY = 16
-
-
-@dataclass
-class StepLayout:
-    """Host-side description of one step's batch (all arrays indexed by batch row)."""
-
-    block_tables: np.ndarray     # [B, max_blocks] int32, physical block ids of each row
-    num_computed: np.ndarray     # [B] tokens already in the cache before this step
-    query_lens: np.ndarray       # [B] tokens computed this step
-
-    def __post_init__(self) -> None:
-        self.query_start_loc = np.zeros(len(self.query_lens) + 1, dtype=np.int32)
-        np.cumsum(self.query_lens, out=self.query_start_loc[1:])
-        self.seq_lens = self.num_computed + self.query_lens
-        if int(self.query_lens.max()) == 1:  # all single-token rows (decode): one position each
-            self._positions = self.num_computed.astype(np.int64)
-        else:
-            row = np.repeat(np.arange(len(self.query_lens)), self.query_lens)
-            self._positions = (self.num_computed[row] + (np.arange(int(self.query_start_loc[-1]))
-                                                         - self.query_start_loc[:-1][row])).astype(np.int64)
-
-    def positions(self) -> np.ndarray:
-        return self._positions
 
 
 def default_backend(device: torch.device) -> str:
@@ -252,6 +231,6 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     Block `b` of layer `l` is `cache[l, :, b]`: the unit the KV transfer ships.
     """
     cache = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-    views = [(cache[l, 0].view(-1, num_kv_heads, head_dim), cache[l, 1].view(-1, num_kv_heads, head_dim))
-             for l in range(num_layers)]
+    views = [(cache[layer, 0].view(-1, num_kv_heads, head_dim), cache[layer, 1].view(-1, num_kv_heads, head_dim))
+             for layer in range(num_layers)]
     return cache, views

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from torch._dynamo.utils import counters
 
-from worker.attention import AttentionContext, ForwardContextAttention, StepLayout, forward_context
+from worker.attention import AttentionContext, ForwardContextAttention, forward_context
+from worker.input_batch import StepLayout
 from worker.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)

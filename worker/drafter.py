@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from worker import kernels
-from worker.attention import AttentionContext, StepLayout
+from worker.attention import AttentionContext
+from worker.input_batch import InputBatch, StepLayout
 from worker.models.llama import CausalLM
 from worker.sampler import Sampler, SamplingMetadata
 from worker.states import RequestStates
@@ -26,25 +26,6 @@ DraftMetadataFn = Callable[[np.ndarray, int], SamplingMetadata | None]
 class DraftMode(enum.StrEnum):
     GREEDY = "greedy"    # argmax of the draft logits, whatever the request's temperature
     COUPLED = "coupled"  # random rows: drawn from the draft distribution with the verifier's noise
-
-
-@dataclass
-class StepBatch:
-    """Host-side view of the scheduled batch (arrays indexed by batch row)."""
-
-    req_ids: list[str]
-    slots: np.ndarray
-    layout: StepLayout
-    num_drafts: np.ndarray     # drafts verified this step
-    is_prefilling: np.ndarray
-    samples: np.ndarray        # rows that produce tokens this step
-
-    def num_valid(self, accepted: list[list[int]]) -> np.ndarray:
-        """Per row, the leading positions of this step whose KV is now valid: all of a prefill
-        chunk; for a verify row the kept ones (accepted drafts and the position of the bonus)."""
-        kept = np.array([len(a) for a in accepted], dtype=np.int32)
-        rejected = self.num_drafts - np.maximum(kept - 1, 0)
-        return np.where(self.samples, self.layout.query_lens - rejected, self.layout.query_lens).astype(np.int32)
 
 
 class MTPDrafter:
@@ -68,7 +49,7 @@ class MTPDrafter:
         self.mode = DraftMode.COUPLED
         self.flushed = False  # whether the last propose() ran the layer for rows that did not draft
 
-    def propose(self, batch: StepBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,
+    def propose(self, batch: InputBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,
                 draft_meta: DraftMetadataFn) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         n_valid = batch.num_valid(accepted)
@@ -93,7 +74,7 @@ class MTPDrafter:
             drafts[row] = d
         return drafts
 
-    def _stash(self, batch: StepBatch, hidden: torch.Tensor, n_valid: np.ndarray, rows_mask: np.ndarray) -> np.ndarray:
+    def _stash(self, batch: InputBatch, hidden: torch.Tensor, n_valid: np.ndarray, rows_mask: np.ndarray) -> np.ndarray:
         """Keep the valid hidden states of rows that skip the layer; returns the rows that cannot."""
         overflow = np.zeros(len(batch.slots), dtype=bool)
         rows = np.nonzero(rows_mask)[0]
@@ -121,7 +102,7 @@ class MTPDrafter:
             pending[slot] = have + n
         return overflow
 
-    def _mtp_pass(self, batch: StepBatch, hidden: torch.Tensor, n_valid: np.ndarray,
+    def _mtp_pass(self, batch: InputBatch, hidden: torch.Tensor, n_valid: np.ndarray,
                   rows: np.ndarray) -> tuple[torch.Tensor, StepLayout]:
         """The MTP layer over each row's stashed positions followed by this step's valid ones.
 
@@ -152,7 +133,7 @@ class MTPDrafter:
         out = self.model.mtp_forward(0, h_in, next_ids, ctx.positions, ctx, has_position0=bool((start == 0).any()))
         return out, layout
 
-    def _draft(self, batch: StepBatch, rows: np.ndarray, h: torch.Tensor, last_pos: np.ndarray, k: int,
+    def _draft(self, batch: InputBatch, rows: np.ndarray, h: torch.Tensor, last_pos: np.ndarray, k: int,
                draft_meta: DraftMetadataFn) -> list[list[int]]:
         """k drafts per row: the layer applied recursively on its own hidden state, one position
         further each time. These KV writes land in lookahead slots that the next verify overwrites."""
@@ -183,7 +164,7 @@ class NgramDrafter:
         self.states, self.k, self.max_n, self.min_n = states, num_tokens, max_n, min_n
         self.flushed = False
 
-    def propose(self, batch: StepBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,
+    def propose(self, batch: InputBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,
                 draft_meta: DraftMetadataFn) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         if k == 0:

@@ -24,11 +24,11 @@ def enabled() -> bool:
     return os.environ.get("PDSERVE_DEBUG_INVARIANTS", "0") not in ("", "0", "false")
 
 
-def _fail(rule: str, states: "RequestStates", slot: int, what: str) -> None:
+def _fail(rule: str, states: RequestStates, slot: int, what: str) -> None:
     raise InvariantViolation(f"{rule} violated for slot {slot} (request {states.slot_req_id[slot]!r}): {what}")
 
 
-def check_admission(states: "RequestStates", slot: int) -> None:
+def check_admission(states: RequestStates, slot: int) -> None:
     """I2 + I3 right after a request enters a slot."""
     drafts = states.draft_tokens[slot].tolist()
     if any(d != -1 for d in drafts) or states.num_draft_tokens[slot] != 0:
@@ -43,7 +43,7 @@ def check_admission(states: "RequestStates", slot: int) -> None:
             _fail("I2", states, slot, f"last_sampled_token={last} but all_token_ids[{total - 1}]={want}")
 
 
-def check_step(states: "RequestStates", sched: "SchedulerOutput", req_ids: list[str], slots: np.ndarray,
+def check_step(states: RequestStates, sched: SchedulerOutput, req_ids: list[str], slots: np.ndarray,
                is_prefilling: np.ndarray, num_drafts: np.ndarray) -> None:
     authoritative = {r.req_id: r.num_computed_tokens for r in sched.new_requests}
     authoritative.update({r.req_id: r.num_computed_tokens for r in sched.cached_requests})
@@ -52,7 +52,8 @@ def check_step(states: "RequestStates", sched: "SchedulerOutput", req_ids: list[
     for b, (req_id, slot) in enumerate(zip(req_ids, slots.tolist())):
         mirror = int(states.num_computed_tokens_np[slot])
         if mirror != authoritative[req_id]:
-            _fail("I4", states, slot, f"runner mirror num_computed_tokens={mirror}, scheduler says {authoritative[req_id]}")
+            _fail("I4", states, slot,
+                  f"runner mirror num_computed_tokens={mirror}, scheduler says {authoritative[req_id]}")
         prefill_len = int(states.prefill_len[slot])
         if bool(is_prefilling[b]) != (min(mirror, prefill_len) < prefill_len):
             _fail("I5", states, slot, "is_prefilling disagrees with num_computed vs prefill_len")

@@ -90,7 +90,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # A tied lm_head shares the embedding; checkpoints usually omit (or duplicate) its key.
-    used = load_state_into(model, model_dir, skip=frozenset({"lm_head.weight"}) if cfg.tie_word_embeddings else frozenset())
+    skip = frozenset({"lm_head.weight"}) if cfg.tie_word_embeddings else frozenset()
+    used = load_state_into(model, model_dir, skip=skip)
     unused = sorted(all_checkpoint_keys(model_dir) - used - {"lm_head.weight"})
     if unused:
         logger.info("ignoring %d checkpoint keys the model does not use (e.g. %s)", len(unused), unused[0])

@@ -18,9 +18,10 @@ from engine.config import EngineConfig, ModelConfig
 from engine.types import TokenLogprobs
 from scheduler.output import RunnerOutput, SchedulerOutput
 from worker import invariants, kernels
-from worker.attention import AttentionContext, StepLayout, allocate_kv_caches
+from worker.attention import AttentionContext, allocate_kv_caches
 from worker.compilation import ModelForward
-from worker.drafter import MTPDrafter, NgramDrafter, StepBatch
+from worker.drafter import MTPDrafter, NgramDrafter
+from worker.input_batch import InputBatch, StepLayout
 from worker.model_loader import DTYPES, load_model, resolve_draft_dtype
 from worker.rejection_sampler import accept_matching_prefix
 from worker.sampler import GREEDY_TEMPERATURE_EPS, Sampler, SamplingMetadata, mix_seed, position_generator
@@ -115,7 +116,7 @@ class ModelRunner:
 
     # -- pieces --------------------------------------------------------------------------
 
-    def _build_batch(self, sched: SchedulerOutput) -> StepBatch:
+    def _build_batch(self, sched: SchedulerOutput) -> InputBatch:
         st = self.states
         req_ids = list(sched.num_scheduled_tokens)
         slots = np.array([st.req_id_to_slot[r] for r in req_ids], dtype=np.int32)
@@ -124,7 +125,7 @@ class ModelRunner:
         num_computed = st.num_computed_tokens_np[slots]
         # A row samples once every token it knows of has been computed (not mid-prefill).
         samples = num_computed + query_lens - num_drafts >= st.total_len_np[slots]
-        return StepBatch(req_ids, slots, StepLayout(st.block_table[slots], num_computed, query_lens),
+        return InputBatch(req_ids, slots, StepLayout(st.block_table[slots], num_computed, query_lens),
                          num_drafts, st.is_prefilling(slots), samples)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -143,7 +144,7 @@ class ModelRunner:
             idx = torch.tensor(slots, dtype=torch.long, device=self.device)
             st.num_computed_tokens[idx] = torch.from_numpy(st.num_computed_tokens_np[slots]).to(self.device)
 
-    def _prepare_input_ids(self, batch: StepBatch) -> torch.Tensor:
+    def _prepare_input_ids(self, batch: InputBatch) -> torch.Tensor:
         st, dev = self.states, self.device
         slots, layout, is_prefilling, num_drafts = batch.slots, batch.layout, batch.is_prefilling, batch.num_drafts
         qsl = layout.query_start_loc
@@ -157,7 +158,8 @@ class ModelRunner:
                                                  torch.from_numpy(num_drafts).to(dev), idx_t, qsl_t, prefill_t)
         return input_ids
 
-    def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> tuple[list[list[int]], list[list[TokenLogprobs]] | None]:
+    def _sample(self, batch: InputBatch,
+                hidden: torch.Tensor) -> tuple[list[list[int]], list[list[TokenLogprobs]] | None]:
         """Tokens each row keeps this step: one sampled token, or verified drafts plus a bonus."""
         accepted: list[list[int]] = [[] for _ in batch.req_ids]
         rows = np.nonzero(batch.samples)[0]
@@ -185,7 +187,7 @@ class ModelRunner:
             accepted[row] = toks
         return accepted, self._logprobs(logits, k, slots, rows, kept, len(batch.req_ids))
 
-    def _write_back(self, batch: StepBatch, accepted: list[list[int]]) -> None:
+    def _write_back(self, batch: InputBatch, accepted: list[list[int]]) -> None:
         st, dev = self.states, self.device
         num_sampled = np.array([len(a) for a in accepted], dtype=np.int32)
         width = max(1, int(num_sampled.max()))
@@ -197,7 +199,7 @@ class ModelRunner:
                                  torch.from_numpy(batch.slots).to(dev))
         st.total_len_np[batch.slots] += num_sampled
 
-    def _store_drafts(self, batch: StepBatch, drafts: list[list[int]]) -> None:
+    def _store_drafts(self, batch: InputBatch, drafts: list[list[int]]) -> None:
         st = self.states
         for row in np.nonzero(batch.samples)[0].tolist():
             st.store_drafts(int(batch.slots[row]), drafts[row])
@@ -259,14 +261,14 @@ class ModelRunner:
 
     # -- speculation policy --------------------------------------------------------------
 
-    def _choose_num_drafts(self, batch: StepBatch, accepted: list[list[int]]) -> int:
+    def _choose_num_drafts(self, batch: InputBatch, accepted: list[list[int]]) -> int:
         verified = np.nonzero(batch.samples & (batch.num_drafts > 0))[0]
         if len(verified):
             self.spec_policy.record_acceptance(batch.num_drafts[verified].tolist(),
                                                [len(accepted[r]) - 1 for r in verified.tolist()])
         return self.spec_policy.choose(int(batch.samples.sum()))
 
-    def _time_step(self, batch: StepBatch, k: int, start: float) -> None:
+    def _time_step(self, batch: InputBatch, k: int, start: float) -> None:
         """Feed the cost model: steady-state decode steps only (every row verified k drafts and
         proposed k; no prefill chunk, no stash flush), plus the engine's time between steps."""
         end = time.perf_counter()

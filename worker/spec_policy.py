@@ -176,8 +176,11 @@ class SpecPolicy:
             explored.ratios[e.k].update(explored.decisions, ratio)
         self._exploration = None
         estimates = self.cost_estimates(bucket)
-        unmeasured = [k for k in range(self.num_spec, -1, -1)
-                      if (costs.ratios[k].count < self.warmup_pairs if k else costs.steps[0].count < self.warmup_samples)]
+
+        def unmeasured_k(k: int) -> bool:
+            return costs.ratios[k].count < self.warmup_pairs if k else costs.steps[0].count < self.warmup_samples
+
+        unmeasured = [k for k in range(self.num_spec, -1, -1) if unmeasured_k(k)]
         # A bucket passed through briefly (a batch draining) decides from its neighbours' timings;
         # one that keeps coming back, or one nothing is known about, gets measured.
         settled = costs.decisions > self.settle_decisions or None in estimates
@@ -242,6 +245,7 @@ class SpecPolicy:
         parts = []
         for bucket, costs in sorted(self.buckets.items()):
             ms = " ".join(f"{c.value * 1e3:.1f}" for c in costs.steps)
-            ratios = " ".join(f"{r:.2f}" if (r := costs.ratio(k)) is not None else "-" for k in range(1, self.num_spec + 1))
+            ratios = " ".join(f"{r:.2f}" if (r := costs.ratio(k)) is not None else "-"
+                              for k in range(1, self.num_spec + 1))
             parts.append(f"b{bucket}: [{ms}] ms, C(k)/C(0) [{ratios}] -> k={self.best_k(bucket)}")
         return f"acceptance [{acc}]; " + "; ".join(parts)

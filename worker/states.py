@@ -28,7 +28,8 @@ class RequestStates:
         self.prompt_len = np.zeros(s, i32)
         self.prefill_len = np.zeros(s, i32)          # tokens fed from all_token_ids before decode starts
         self.total_len_np = np.zeros(s, i32)          # mirror of `total_len`
-        self.num_computed_tokens_np = np.zeros(s, i32)  # mirror of the scheduler's value (I4: overwritten, never incremented)
+        # Mirror of the scheduler's value (I4: overwritten every step, never incremented).
+        self.num_computed_tokens_np = np.zeros(s, i32)
         self.num_computed_prefill_tokens = np.zeros(s, i32)
         self.num_draft_tokens = np.zeros(s, i32)      # valid entries of draft_tokens[slot]
         self.draft_tokens_np = np.full((s, max(1, max_draft_tokens)), -1, i32)  # host copy of draft_tokens

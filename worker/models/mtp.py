@@ -25,7 +25,8 @@ class MTPLayer(DecoderLayer):
         self.final_layernorm = RMSNorm(h, cfg.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
-                embed: nn.Embedding, rope: RotaryEmbedding, attn: AttentionBackend, has_position0: bool) -> torch.Tensor:
+                embed: nn.Embedding, rope: RotaryEmbedding, attn: AttentionBackend,
+                has_position0: bool) -> torch.Tensor:
         dtype = self.input_proj.weight.dtype  # the drafter may run in lower precision than the target
         tok, hidden = embed(input_ids).to(dtype), hidden.to(dtype)
         if has_position0:  # (the caller knows from its host-side layout; decode steps never do)
