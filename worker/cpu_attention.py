@@ -1,4 +1,7 @@
-"""Builds and loads the C++ paged-attention kernel (`worker/csrc/paged_attention.cpp`) on first use.
+"""Builds and loads the C++ paged-attention kernel (`worker/csrc/paged_attention.cpp`).
+
+The model runner asks for it while the engine starts (a build inside a step would stall the
+loop for seconds, and the front end would take the silent engine for dead).
 
 torch's extension builder compiles it with the host's C++ compiler (the one Inductor needs too)
 into `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), so a restart loads the cached
@@ -8,6 +11,7 @@ a lock). Where it cannot be built the engine says so once and attends with the t
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -25,8 +29,11 @@ def available() -> bool:
     from torch.utils import cpp_extension
 
     start = time.monotonic()
+    # One build per source text and checkout: two checkouts sharing the extensions folder under
+    # one name would rebuild each other's library at every start.
+    tag = hashlib.sha256(SOURCE.read_bytes() + str(SOURCE).encode()).hexdigest()[:12]
     try:
-        cpp_extension.load(name="pdserve_cpu_attention", sources=[str(SOURCE)], is_python_module=False,
+        cpp_extension.load(name=f"pdserve_cpu_attention_{tag}", sources=[str(SOURCE)], is_python_module=False,
                            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, a broken toolchain: stay correct, just slower
         logger.warning("C++ paged attention unavailable (%s); using the torch reference", e)

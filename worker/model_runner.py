@@ -18,7 +18,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.types import TokenLogprobs
 from scheduler.output import RunnerOutput, SchedulerOutput
 from worker import invariants, kernels
-from worker.attention import AttentionContext, allocate_kv_caches
+from worker.attention import AttentionContext, allocate_kv_caches, default_backend
 from worker.compilation import ModelForward
 from worker.drafter import MTPDrafter, NgramDrafter
 from worker.input_batch import InputBatch, StepLayout
@@ -61,6 +61,8 @@ class ModelRunner:
                                 max_positions=max_len + lookahead + 8, num_mtp_layers=num_mtp,
                                 draft_dtype=self.draft_dtype, compiled=not config.enforce_eager)
         self.forward = ModelForward(self.model, compile_model=not config.enforce_eager)
+        # Chosen (and on CPU the kernel built or loaded) now, before the engine serves.
+        self.attention_backend = default_backend(self.device)
         self.num_kv_layers = model_cfg.num_hidden_layers + num_mtp  # MTP layers get their own paged cache
         self.num_kv_blocks = num_kv_blocks_for(config, model_cfg, self.num_kv_layers)
         self.kv_cache, self.kv_views = allocate_kv_caches(
@@ -101,7 +103,8 @@ class ModelRunner:
             invariants.check_step(self.states, sched, batch.req_ids, batch.slots, batch.is_prefilling, batch.num_drafts)
 
         input_ids = self._prepare_input_ids(batch)
-        ctx = AttentionContext(self.kv_views, batch.layout, self.block_size, self.device, self.model_cfg.sliding_window)
+        ctx = AttentionContext(self.kv_views, batch.layout, self.block_size, self.device, self.model_cfg.sliding_window,
+                               self.attention_backend)
         hidden = self.forward(input_ids, ctx.positions, ctx)
         accepted, logprobs = self._sample(batch, hidden)
         self._write_back(batch, accepted)
