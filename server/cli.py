@@ -159,6 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # one to its API server: on 2 cores a colocated engine with 1 thread serves 16 streams faster than
     # with 2, whose OpenMP barriers stall whenever the front end takes a core (benchmarks/results/layout.txt).
     threads = args.num_threads or max(1, ((os.cpu_count() or 2) - 1) // sum(n for _, n in roles))
+    role_threads = {EngineRole.PREFILL: args.prefill_threads} if args.prefill_threads else {}
     children: list[subprocess.Popen] = []
     # Engine health ports are for engines deployed one per container; here every child would
     # inherit the same port and all but one would fail to bind it. The front end's /health covers them.
@@ -168,7 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         for i in range(count):
             name = f"{role}-{i}"
             argv = [sys.executable, "-m", "server.cli", role, "--name", name, "--server-addr", server_addr,
-                    *engine_argv(args), "--num-threads", str(threads)]
+                    *engine_argv(args), "--num-threads", str(role_threads.get(role, threads))]
             if role == EngineRole.PREFILL:
                 argv += ["--kv-addr", f"ipc://{run_dir}/{name}-kv"]
             if args.kv_key:
@@ -243,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(serve, "--num-decode", int, 1, "decode engine processes")
     add_flag(serve, "--kv-key", str, "", "shared key required on the KV port")
     add_flag(serve, "--cpu-affinity", str, "none", "pin | none: pin each engine process to its own cores")
+    add_flag(serve, "--prefill-threads", int, None, "torch threads of each prefill engine (default: --num-threads)")
     serve.set_defaults(func=cmd_serve)
 
     for role in (EngineRole.PREFILL, EngineRole.DECODE, EngineRole.COLOCATED):

@@ -21,6 +21,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+# -ffast-math lets GCC call glibc's vector exp (libmvec) in the softmax; the kernel relies on
+# -inf for masked keys, so finite-math stays off.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
 
 
 @functools.cache
@@ -31,10 +34,10 @@ def available() -> bool:
     start = time.monotonic()
     # One build per source text and checkout: two checkouts sharing the extensions folder under
     # one name would rebuild each other's library at every start.
-    tag = hashlib.sha256(SOURCE.read_bytes() + str(SOURCE).encode()).hexdigest()[:12]
+    tag = hashlib.sha256(SOURCE.read_bytes() + str(SOURCE).encode() + str(CFLAGS).encode()).hexdigest()[:12]
     try:
         cpp_extension.load(name=f"pdserve_cpu_attention_{tag}", sources=[str(SOURCE)], is_python_module=False,
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp", "-lmvec"])
     except Exception as e:  # no compiler, no ninja, a broken toolchain: stay correct, just slower
         logger.warning("C++ paged attention unavailable (%s); using the torch reference", e)
         return False

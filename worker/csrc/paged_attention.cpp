@@ -72,14 +72,18 @@ void attend_row_head(const scalar_t* q, const scalar_t* k_cache, const scalar_t*
       const float new_max = std::max(max_score[r], block_max);
       const float rescale = std::exp(max_score[r] - new_max);  // 0 on the first visible block
       float* a = acc.data() + r * dim;
-      float sum = denom[r] * rescale;
       if (rescale != 1.f)
         for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
-      for (int64_t j = jlo; j < jhi; ++j) {
-        const float p = std::exp(sr[j - jlo] - new_max);
+      const int64_t n = jhi - jlo;
+      // One vector exp over the block (libmvec); masked keys come out as exactly 0.
+#pragma omp simd
+      for (int64_t t = 0; t < n; ++t) sr[t] = std::exp(sr[t] - new_max);
+      float sum = denom[r] * rescale;
+      for (int64_t t = 0; t < n; ++t) sum += sr[t];
+      for (int64_t t = 0; t < n; ++t) {
+        const float p = sr[t];
         if (p == 0.f) continue;  // masked keys cost nothing more
-        sum += p;
-        const scalar_t* v = v_cache + (slot0 + j) * s.kv_stride_slot + kv_head * dim;
+        const scalar_t* v = v_cache + (slot0 + jlo + t) * s.kv_stride_slot + kv_head * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) a[d] += p * static_cast<float>(v[d]);
       }
