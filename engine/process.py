@@ -112,15 +112,17 @@ class EngineProcess:
             if isinstance(message, msg.Submit):
                 self._submit(message)
             elif isinstance(message, msg.Abort):
-                self.core.abort_request(message.req_id)
+                self.core.abort_request(message.req_id, message.transfer_id or None)
             elif isinstance(message, msg.Shutdown):
                 self.stopping = True
 
     def _submit(self, sub: msg.Submit) -> None:
         try:
-            self.core.add_request(sub.prompt_token_ids, sub.params, sub.req_id, sub.prefill_endpoint)
+            self.core.add_request(sub.prompt_token_ids, sub.params, sub.req_id, sub.prefill_endpoint,
+                                  sub.transfer_id)
         except ValueError as e:
-            self._emit(msg.Output(self.name, sub.req_id, [], finish_reason=FinishReason.ERROR, error=str(e)))
+            self._emit(msg.Output(self.name, sub.req_id, [], finish_reason=FinishReason.ERROR, error=str(e),
+                                  transfer_id=sub.transfer_id))
 
     def _refuse(self, data: bytes, error: Exception) -> None:
         """A message that does not decode: answer a Submit (its id is readable) with an error."""
@@ -135,7 +137,7 @@ class EngineProcess:
     def _send_updates(self, updates: list[RequestUpdate]) -> None:
         for u in updates:
             self._emit(msg.Output(self.name, u.req_id, u.new_token_ids, u.first_index, u.new_logprobs, u.finish_reason,
-                                  u.error, u.retryable, u.queue_time))
+                                  u.error, u.retryable, u.queue_time, u.transfer_id))
 
     def _emit(self, message: msg.Output | msg.Heartbeat) -> None:
         self.link.send(msg.encode(message))
