@@ -68,7 +68,7 @@ class Peer:
     pulls: set[str] = field(default_factory=set)
     last_keepalive: float = 0.0
     retry_at: float = 0.0       # rejected: when to say Hello again
-    backoff: float = REJECT_BACKOFF_S
+    backoff: float = 0.0        # the next wait after a refusal (0: the first, REJECT_BACKOFF_S)
 
 
 class KVReceiver:
@@ -196,7 +196,7 @@ class KVReceiver:
         elif len(frames) != 1:  # control messages are one frame
             self.stats.dropped_frames += 1
         elif isinstance(msg, m.HelloAck) and peer.state == "connecting":
-            peer.state, peer.name, peer.backoff = "ready", msg.peer, REJECT_BACKOFF_S
+            peer.state, peer.name, peer.backoff = "ready", msg.peer, 0.0
             for req_id in list(peer.pulls):
                 if req_id in self.pulls and not self.pulls[req_id].requested:
                     self._request(peer, self.pulls[req_id])
@@ -211,8 +211,9 @@ class KVReceiver:
 
     def _rejected(self, peer: Peer, reason: str) -> None:
         peer.state, peer.reason = "rejected", reason
-        peer.retry_at = time.monotonic() + peer.backoff
-        peer.backoff = min(peer.backoff * 2, REJECT_BACKOFF_MAX_S)
+        wait = peer.backoff or REJECT_BACKOFF_S
+        peer.retry_at = time.monotonic() + wait
+        peer.backoff = min(wait * 2, REJECT_BACKOFF_MAX_S)
         self.stats.handshakes_rejected += 1
         logger.error("prefill %s refused the handshake: %s (trying again in %.0f s at the earliest)",
                      peer.endpoint, reason, peer.retry_at - time.monotonic())
