@@ -109,7 +109,9 @@ class KVTransferConfig:
     lease_s: float = 30.0   # prefill: free held blocks after this long without the decode side
     deadline_s: float = 60.0  # decode: give up a KV transfer after this long
     reserve_deadline_s: float = 20.0  # decode: fail a request that got no KV blocks within this long (retryable)
-    checksum: bool = True     # prefill: send an xxh3 checksum of each payload; decode: verify it
+    # prefill: send an xxh3 checksum of each payload (decode verifies any it gets). Off by default:
+    # benchmarks/results/bench_pd.txt measures what it costs against raw ZMQ.
+    checksum: bool = False
 
 
 @dataclass

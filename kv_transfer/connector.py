@@ -177,7 +177,7 @@ def get_kv_connector(role: EngineRole, ctx: zmq.Context, kv_cache: torch.Tensor,
         return PrefillConnector(sender, kv.advertise or advertised(sender.address))
     if role == EngineRole.DECODE:
         vocab = (compat.get("config") or {}).get("vocab_size")
-        receiver = KVReceiver(ctx, kv_cache, chash, desc_text, name, kv.deadline_s, kv.key, vocab, kv.checksum)
+        receiver = KVReceiver(ctx, kv_cache, chash, desc_text, name, kv.deadline_s, kv.key, vocab)
         return DecodeConnector(receiver, kv.reserve_deadline_s)
     return KVConnector()
 

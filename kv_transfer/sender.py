@@ -71,7 +71,7 @@ def frames_checksum(frames: list) -> int:
 class KVSender:
     def __init__(self, ctx: zmq.Context, bind_addr: str, kv_cache: torch.Tensor, compat_hash: str,
                  description: str, name: str, release_blocks: Callable[[str, list[int]], None], lease_s: float = 30.0,
-                 key: str = "", checksum: bool = True, compare: Callable[[str], str] | None = None) -> None:
+                 key: str = "", checksum: bool = False, compare: Callable[[str], str] | None = None) -> None:
         """`compare(peer_description)` names what differs from a refused peer's layout (handshake.py)."""
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)

@@ -55,6 +55,12 @@ def add_flag(p: argparse.ArgumentParser, flag: str, typ, default, help_: str) ->
     p.add_argument(flag, type=typ, default=typ(env) if env is not None else default, help=f"{help_} [{_env(flag)}]")
 
 
+def add_switch(p: argparse.ArgumentParser, flag: str, help_: str) -> None:
+    """An on/off flag, also on when its environment variable is 1/true/yes."""
+    env = os.environ.get(_env(flag), "").lower() in ("1", "true", "yes")
+    p.add_argument(flag, action="store_true", default=env, help=f"{help_} [{_env(flag)}=1]")
+
+
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     for flag, typ, default, help_ in ENGINE_FLAGS:
         add_flag(p, flag, typ, default, help_)
@@ -112,7 +118,8 @@ def cmd_engine(args: argparse.Namespace) -> None:
     run_engine_process(args.command, engine_config(args, args.command), name, args.server_addr,
                        on_engine=health.attach if health else None,
                        kv_addr=args.kv_addr, kv_advertise=args.kv_advertise, kv_key=args.kv_key,
-                       kv_lease_s=args.kv_lease_s, kv_deadline_s=args.kv_deadline_s)
+                       kv_lease_s=args.kv_lease_s, kv_deadline_s=args.kv_deadline_s,
+                       kv_reserve_deadline_s=args.kv_reserve_deadline_s, kv_checksum=args.kv_checksum)
 
 
 def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str) -> None:
@@ -169,6 +176,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 argv += ["--kv-addr", f"ipc://{run_dir}/{name}-kv"]
             if args.kv_key:
                 argv += ["--kv-key", args.kv_key]
+            if args.kv_checksum:
+                argv += ["--kv-checksum"]
             children.append(subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], env=env))
             if args.cpu_affinity == "pin":
                 os.sched_setaffinity(children[-1].pid, engine_cpus(len(children) - 1, threads, cores))
@@ -238,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(serve, "--num-prefill", int, 1, "prefill engine processes")
     add_flag(serve, "--num-decode", int, 1, "decode engine processes")
     add_flag(serve, "--kv-key", str, "", "shared key required on the KV port")
+    add_switch(serve, "--kv-checksum", "checksum every KV payload (xxh3), verified before admission")
     add_flag(serve, "--cpu-affinity", str, "none", "pin | none: pin each engine process to its own cores")
     serve.set_defaults(func=cmd_serve)
 
@@ -251,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_flag(p, "--kv-key", str, "", "shared key required on the KV port")
         add_flag(p, "--kv-lease-s", float, 30.0, "prefill: free held KV blocks after this long without the decode side")
         add_flag(p, "--kv-deadline-s", float, 60.0, "decode: give up a KV transfer after this long")
+        add_flag(p, "--kv-reserve-deadline-s", float, 20.0,
+                 "decode: fail a request (retryable) that got no KV blocks within this long")
+        add_switch(p, "--kv-checksum", "prefill: checksum every KV payload (xxh3); decode verifies any it gets")
         add_flag(p, "--health-port", int, None, "serve GET /health on this port (0.0.0.0) for probes; off by default")
         p.set_defaults(func=cmd_engine)
 
