@@ -18,7 +18,7 @@ import msgspec
 import zmq
 
 from engine import messages as msg
-from engine.config import EngineConfig, KVTransferConfig
+from engine.config import ClusterKey, EngineConfig, KVTransferConfig
 from engine.core import EngineCore
 from engine.types import EngineRole, FinishReason
 from kv_transfer.connector import get_kv_connector
@@ -32,8 +32,10 @@ IDLE_POLL_MS = 20
 
 
 class EngineProcess:
-    def __init__(self, role: EngineRole | str, config: EngineConfig, name: str, server_addr: str, **kv) -> None:
-        """`kv`: the KVTransferConfig fields with a `kv_` prefix (kv_addr, kv_lease_s, ...)."""
+    def __init__(self, role: EngineRole | str, config: EngineConfig, name: str, server_addr: str,
+                 cluster_key: ClusterKey | None = None, **kv) -> None:
+        """`kv`: the KVTransferConfig fields with a `kv_` prefix (kv_addr, kv_lease_s, ...).
+        `cluster_key` (default: from PDSERVE_CLUSTER_KEY[_FILE]) secures the link and the KV sockets."""
         try:
             self.role = EngineRole(role)
         except ValueError:
@@ -47,12 +49,15 @@ class EngineProcess:
         self.link = self.zmq.socket(zmq.DEALER)
         self.link.setsockopt(zmq.IDENTITY, name.encode())
         self.link.setsockopt(zmq.LINGER, 0)
+        cluster_key = cluster_key or ClusterKey.from_env()
+        if cluster_key is not None:
+            cluster_key.secure_client(self.link)
         self.link.connect(server_addr)
         runner = self.core.runner
         compat = compat_description(config, self.core.model_config, runner.num_kv_layers)
         kv_config = KVTransferConfig(**{k.removeprefix("kv_"): v for k, v in kv.items()})
         self.connector = get_kv_connector(self.role, self.zmq, runner.kv_cache, compat, name,
-                                          self.core.block_manager.free_blocks, kv_config)
+                                          self.core.block_manager.free_blocks, kv_config, cluster_key)
         self.core.set_kv_connector(self.connector)
         self.stopping = False
         self.busy_loop_s = 0.0

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import zmq
 
-from engine.config import KVTransferConfig
+from engine.config import ClusterKey, KVTransferConfig
 from engine.request import Request
 from engine.types import EngineRole, FinishReason
 from kv_transfer.handshake import compat_hash, describe_difference
@@ -166,18 +166,21 @@ class DecodeConnector(KVConnector):
 
 
 def get_kv_connector(role: EngineRole, ctx: zmq.Context, kv_cache: torch.Tensor, compat: dict, name: str,
-                     free_blocks: Callable[[list[int]], None], kv: KVTransferConfig) -> KVConnector:
+                     free_blocks: Callable[[list[int]], None], kv: KVTransferConfig,
+                     cluster_key: ClusterKey | None = None) -> KVConnector:
     """The connector for `role`. `compat` describes the KV layout (handshake.compat_description);
-    `free_blocks` gives blocks back to the engine's block manager (prefill: after the transfer)."""
+    `free_blocks` gives blocks back to the engine's block manager (prefill: after the transfer);
+    `cluster_key` makes the KV sockets CURVE-only."""
     chash, desc_text = compat_hash(compat), json.dumps(compat, sort_keys=True)
     if role == EngineRole.PREFILL:
         sender = KVSender(ctx, kv.addr or "tcp://127.0.0.1:0", kv_cache, chash, desc_text, name,
                           lambda _req_id, blocks: free_blocks(blocks), kv.lease_s, kv.key, kv.checksum,
-                          lambda theirs: describe_difference(compat, theirs))
+                          lambda theirs: describe_difference(compat, theirs), cluster_key)
         return PrefillConnector(sender, kv.advertise or advertised(sender.address))
     if role == EngineRole.DECODE:
         vocab = (compat.get("config") or {}).get("vocab_size")
-        receiver = KVReceiver(ctx, kv_cache, chash, desc_text, name, kv.deadline_s, kv.key, vocab)
+        receiver = KVReceiver(ctx, kv_cache, chash, desc_text, name, kv.deadline_s, kv.key, vocab,
+                              cluster_key=cluster_key)
         return DecodeConnector(receiver, kv.reserve_deadline_s)
     return KVConnector()
 

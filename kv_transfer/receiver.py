@@ -21,6 +21,7 @@ import msgspec
 import torch
 import zmq
 
+from engine.config import ClusterKey
 from kv_transfer import messages as m
 from kv_transfer.sender import frames_checksum
 from kv_transfer.stats import TransferStats
@@ -74,8 +75,9 @@ class Peer:
 class KVReceiver:
     def __init__(self, ctx: zmq.Context, kv_cache: torch.Tensor, compat_hash: str, description: str, name: str,
                  deadline_s: float = 60.0, key: str = "", vocab_size: int | None = None,
-                 verify_checksums: bool = True) -> None:
+                 verify_checksums: bool = True, cluster_key: ClusterKey | None = None) -> None:
         self.ctx = ctx
+        self.cluster_key = cluster_key  # CURVE: prove we hold the cluster key, check that P does
         self.kv_cache = kv_cache
         self.compat_hash, self.description, self.name = compat_hash, description, name
         self.deadline_s = deadline_s
@@ -144,6 +146,8 @@ class KVReceiver:
         if peer is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self.cluster_key is not None:
+                self.cluster_key.secure_client(sock)
             sock.connect(endpoint)
             peer = Peer(sock, endpoint, last_keepalive=time.monotonic())  # the Hello counts as the first "keepalive"
             self.peers[endpoint] = peer

@@ -22,6 +22,7 @@ import torch
 import xxhash
 import zmq
 
+from engine.config import ClusterKey, check_bind
 from kv_transfer import messages as m
 from kv_transfer.stats import TransferStats
 
@@ -71,11 +72,18 @@ def frames_checksum(frames: list) -> int:
 class KVSender:
     def __init__(self, ctx: zmq.Context, bind_addr: str, kv_cache: torch.Tensor, compat_hash: str,
                  description: str, name: str, release_blocks: Callable[[str, list[int]], None], lease_s: float = 30.0,
-                 key: str = "", checksum: bool = False, compare: Callable[[str], str] | None = None) -> None:
-        """`compare(peer_description)` names what differs from a refused peer's layout (handshake.py)."""
+                 key: str = "", checksum: bool = False, compare: Callable[[str], str] | None = None,
+                 cluster_key: ClusterKey | None = None) -> None:
+        """`compare(peer_description)` names what differs from a refused peer's layout (handshake.py);
+        with `cluster_key` the port is CURVE-only: decode instances must hold the cluster key."""
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        check_bind(bind_addr, cluster_key, "prefill KV port")
+        self.auth = None
+        if cluster_key is not None:
+            cluster_key.secure_server(self.socket)
+            self.auth = cluster_key.authenticator(ctx)
         self.socket.bind(bind_addr)
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.kv_cache = kv_cache
@@ -269,3 +277,5 @@ class KVSender:
 
     def close(self) -> None:
         self.socket.close(0)
+        if self.auth is not None:
+            self.auth.stop()

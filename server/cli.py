@@ -6,6 +6,7 @@
                        (engines connect to the front end's --bind-addr and are found by their heartbeats)
     pdserve generate   offline generation (no server)
     pdserve bench      load-test an OpenAI-compatible endpoint (vLLM `bench serve` definitions)
+    pdserve keygen     write a cluster key (CURVE) file: give it to every process as PDSERVE_CLUSTER_KEY_FILE
 
 Every flag can also be set by environment variable: --max-num-seqs is PDSERVE_MAX_NUM_SEQS.
 """
@@ -228,6 +229,19 @@ def cmd_bench(args: argparse.Namespace) -> None:
         sys.exit(1)  # scripts and CI notice failed requests without parsing the report
 
 
+def cmd_keygen(args: argparse.Namespace) -> None:
+    """A new cluster key, readable by its owner only. Every process of one deployment (front end,
+    prefill, decode) gets the same file as PDSERVE_CLUSTER_KEY_FILE (a mounted secret)."""
+    from engine.config import ClusterKey
+
+    key = ClusterKey.generate()
+    path = Path(args.path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key.secret.decode() + "\n")
+    print(f"pdserve: wrote the cluster key to {path}; set PDSERVE_CLUSTER_KEY_FILE={path} for every process")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -277,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server (vLLM `bench serve` metrics)",
                            description="Flags read PDSERVE_BENCH_<FLAG> from the environment.", add_help=False)
     bench.set_defaults(func=cmd_bench)  # its flags are benchmarks/bench_serving.py's: see parse_args
+
+    keygen = sub.add_parser("keygen", help="write a new cluster key file (CURVE) for PDSERVE_CLUSTER_KEY_FILE")
+    keygen.add_argument("path")
+    keygen.set_defaults(func=cmd_keygen)
 
     gen = sub.add_parser("generate", help="offline generation, no server")
     add_engine_flags(gen)

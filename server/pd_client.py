@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from engine import messages as msg
+from engine.config import ClusterKey, check_bind
 from engine.types import EngineRole, FinishReason, SamplingParams, ServeMode
 from engine.validation import check_prompt
 from server.protocol import EngineUnavailableError, GenerationChunk, InstanceInfo
@@ -57,8 +58,11 @@ class Tracked:
 
 class RemoteEngineClient:
     def __init__(self, bind_addr: str, mode: ServeMode, max_model_len: int, vocab_size: int, eos_token_ids: list[int],
-                 dead_after_s: float = 3.0, max_retries: int = 1) -> None:
+                 dead_after_s: float = 3.0, max_retries: int = 1, cluster_key: ClusterKey | None = None) -> None:
+        """`cluster_key` (default: from PDSERVE_CLUSTER_KEY[_FILE]) makes the engine socket CURVE-only."""
         self.bind_addr = bind_addr
+        self.cluster_key = cluster_key or ClusterKey.from_env()
+        self.refused_connections = 0  # handshakes refused on the engine socket (no or wrong cluster key)
         self.mode = ServeMode(mode)
         self.max_model_len, self.vocab_size, self.eos_token_ids = max_model_len, vocab_size, eos_token_ids
         self.dead_after_s = dead_after_s
@@ -78,14 +82,50 @@ class RemoteEngineClient:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted engine takes its name back
         self.router.setsockopt(zmq.SNDHWM, 100000)
+        check_bind(self.bind_addr, self.cluster_key, "front end")
+        self._tasks = []
+        self._auth = None
+        if self.cluster_key is not None:
+            self.cluster_key.secure_server(self.router)
+            self._auth = self.cluster_key.authenticator(self.ctx)
+            monitor = self.router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            self._tasks.append(asyncio.create_task(self._count_refusals(monitor)))
+        else:
+            logger.warning("no cluster key (%s): the engine socket %s takes any process that connects; "
+                           "it is bound to loopback/ipc only", "PDSERVE_CLUSTER_KEY_FILE", self.bind_addr)
         self.router.bind(self.bind_addr)
-        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_instances())]
+        self._tasks += [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_instances())]
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        # Let the cancelled tasks finish (the monitor task closes its socket): term() waits for every socket.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.cluster_key is not None:
+            self.router.disable_monitor()
+        if self._auth is not None:
+            self._auth.stop()
         self.router.close(0)
         self.ctx.term()
+
+    def counters(self) -> dict[str, float]:
+        """The front end's own counters, for /metrics."""
+        return {"engine_connections_refused": float(self.refused_connections)}
+
+    async def _count_refusals(self, monitor: zmq.asyncio.Socket) -> None:
+        """Every failed CURVE handshake on the engine socket: a process without the cluster key."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                self.refused_connections += 1
+                logger.warning("refused a connection to the engine socket (%s): no valid cluster key",
+                               event.get("endpoint", b"").decode(errors="replace"))
+        finally:
+            monitor.close(0)
 
     # -- EngineClient --------------------------------------------------------------------
 
