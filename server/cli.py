@@ -242,6 +242,12 @@ def cmd_keygen(args: argparse.Namespace) -> None:
     print(f"pdserve: wrote the cluster key to {path}; set PDSERVE_CLUSTER_KEY_FILE={path} for every process")
 
 
+def add_keygen(sub) -> None:
+    keygen = sub.add_parser("keygen", help="write a new cluster key file (CURVE) for PDSERVE_CLUSTER_KEY_FILE")
+    keygen.add_argument("path")
+    keygen.set_defaults(func=cmd_keygen)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -292,10 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Flags read PDSERVE_BENCH_<FLAG> from the environment.", add_help=False)
     bench.set_defaults(func=cmd_bench)  # its flags are benchmarks/bench_serving.py's: see parse_args
 
-    keygen = sub.add_parser("keygen", help="write a new cluster key file (CURVE) for PDSERVE_CLUSTER_KEY_FILE")
-    keygen.add_argument("path")
-    keygen.set_defaults(func=cmd_keygen)
-
+    add_keygen(sub)
     gen = sub.add_parser("generate", help="offline generation, no server")
     add_engine_flags(gen)
     gen.add_argument("--prompt", action="append")
