@@ -146,6 +146,9 @@ class KVReceiver:
         if peer is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            # No frame from P is ever larger than one layer's K (or V) of the whole cache: a bigger one
+            # is hostile, and ZMQ drops the connection before allocating it.
+            sock.setsockopt(zmq.MAXMSGSIZE, self.kv_cache[0, 0].numel() * self.kv_cache.element_size() + (1 << 20))
             if self.cluster_key is not None:
                 self.cluster_key.secure_client(sock)
             sock.connect(endpoint)

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 Key = tuple[str, str]   # (req_id, transfer_id)
 ENDED_MEMORY = 4096     # ended transfers remembered to answer late pulls
+MAX_CONTROL_BYTES = 64 << 20  # the largest message D may send (a Hello with every tensor's fingerprint)
 
 
 @dataclass
@@ -79,6 +80,7 @@ class KVSender:
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)  # D sends only small control messages
         check_bind(bind_addr, cluster_key, "prefill KV port")
         self.auth = None
         if cluster_key is not None:
