@@ -221,9 +221,9 @@ class ClusterKey:
         """Before connect: a CURVE client that proves it holds the cluster key and checks the server does."""
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = self.public, self.public, self.secret
 
-    def authenticator(self, ctx: Any, on_refused: Any = None) -> Any:
+    def authenticator(self, ctx: Any) -> Any:
         """Start the ZAP handler of `ctx` (threaded, or asyncio for a zmq.asyncio context): CURVE
-        clients with any key but the cluster's are refused (`on_refused(key)` is told)."""
+        clients with any key but the cluster's are refused. Call its stop() before closing `ctx`."""
         import zmq.asyncio
         from zmq.auth.asyncio import AsyncioAuthenticator
         from zmq.auth.thread import ThreadAuthenticator
@@ -232,11 +232,7 @@ class ClusterKey:
 
         class _OnlyTheClusterKey:
             def callback(self, domain: str, key: bytes) -> bool:
-                if key == public:
-                    return True
-                if on_refused is not None:
-                    on_refused(key)
-                return False
+                return key == public
 
         auth = (AsyncioAuthenticator if isinstance(ctx, zmq.asyncio.Context) else ThreadAuthenticator)(ctx)
         auth.start()

@@ -93,8 +93,8 @@ class RemoteEngineClient:
                                                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             self._tasks.append(asyncio.create_task(self._count_refusals(monitor)))
         else:
-            logger.warning("no cluster key (%s): the engine socket %s takes any process that connects; "
-                           "it is bound to loopback/ipc only", "PDSERVE_CLUSTER_KEY_FILE", self.bind_addr)
+            logger.warning("no cluster key (PDSERVE_CLUSTER_KEY_FILE): the engine socket %s takes any process "
+                           "that connects, so it may only listen on loopback or ipc", self.bind_addr)
         self.router.bind(self.bind_addr)
         self._tasks += [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_instances())]
 
