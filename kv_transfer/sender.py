@@ -105,7 +105,9 @@ class KVSender:
 
     def hold(self, req_id: str, block_ids: list[int], num_tokens: int, t0: int, transfer_id: str = "") -> None:
         """A prefill finished: keep its blocks until D takes them (or the lease runs out)."""
-        self.supersede(req_id, transfer_id)
+        # Older held attempts go; pending pulls stay: one for another attempt may be a newer retry
+        # whose Submit this P has not read yet (it comes over the front end's link, the pull over ours).
+        self.supersede(req_id, transfer_id, pulls=False)
         key = (req_id, transfer_id)
         held = HeldKV(req_id, block_ids, num_tokens, t0, time.monotonic() + self.lease_s, transfer_id)
         self.held[key] = held
@@ -114,9 +116,11 @@ class KVSender:
             held.requester = pull.requester
             self._send(held)
 
-    def supersede(self, req_id: str, transfer_id: str) -> None:
-        """A new attempt `transfer_id` of `req_id` is ours now: release any older one at once."""
-        for key in [k for k in self.held if k[0] == req_id and k[1] != transfer_id]:
+    def supersede(self, req_id: str, transfer_id: str, pulls: bool = True) -> None:
+        """A new attempt `transfer_id` of `req_id` is ours now (its Submit arrived): release any older
+        one at once — its blocks, and D's pending pull for it, which this P will never serve."""
+        keys = [*self.held, *self.pulls] if pulls else list(self.held)
+        for key in [k for k in keys if k[0] == req_id and k[1] != transfer_id]:
             self._end(key, f"superseded by a newer attempt of request {req_id}")
 
     def drop(self, req_id: str, reason: str, transfer_id: str | None = None) -> None:

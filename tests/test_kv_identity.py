@@ -139,3 +139,34 @@ def test_poisoned_cache_helper_is_what_it_claims():
     cache = torch.zeros(2, 2, 4, 16, 2, 8)
     cache[:, :, [1, 2]] = 1e3
     assert float(cache[:, :, 1].min()) == 1e3 and float(cache[:, :, 0].max()) == 0.0
+
+
+def test_prefill_frees_an_old_attempt_as_soon_as_it_learns_of_the_new_one(tmp_path):
+    """P holds attempt t1 of r (D asked for it); the front end retries r on the same P as t2: t1's
+    blocks are freed at once and D hears a KVError for t1, while t2's pending pull is untouched."""
+    import zmq
+
+    from kv_transfer.receiver import KVReceiver
+    from kv_transfer.sender import KVSender
+
+    shape = (2, 2, 8, 4, 2, 8)
+    ctx = zmq.Context()
+    released: list[list[int]] = []
+    sender = KVSender(ctx, f"ipc://{tmp_path}/p", torch.zeros(shape), "h", "{}", "prefill-0",
+                      lambda _r, blocks: released.append(blocks))
+    receiver = KVReceiver(ctx, torch.zeros(shape), "h", "{}", "decode-0")
+    try:
+        receiver.start("r", sender.address, [0, 1], "t1", 8)
+        wait_until(lambda: (sender.poll(), receiver.poll(), ("r", "t1") in sender.pulls)[-1], 5, "t1's pull")
+        sender.supersede("r", "t2")  # the retry's Submit reached P before t1 finished: only the pull to end
+        assert ("r", "t1") not in sender.pulls and ("r", "t1") in sender.ended
+        failed = []
+        wait_until(lambda: failed.extend(receiver.poll()[1]) or failed, 5, "D to hear t1 is over")
+        assert failed[0].req_id == "r" and "superseded by a newer attempt" in failed[0].reason, failed
+        sender.hold("r", [2, 3], 8, 5, "t1")   # t1's prefill finishing late is held under its own key...
+        sender.supersede("r", "t2")           # ...and freed as soon as t2 is known
+        assert released == [[2, 3]] and not sender.held
+    finally:
+        sender.close()
+        receiver.close()
+        ctx.term()
