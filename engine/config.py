@@ -108,6 +108,10 @@ class KVTransferConfig:
     key: str = ""           # shared key required on the KV port
     lease_s: float = 30.0   # prefill: free held blocks after this long without the decode side
     deadline_s: float = 60.0  # decode: give up a KV transfer after this long
+    reserve_deadline_s: float = 20.0  # decode: fail a request that got no KV blocks within this long (retryable)
+    # prefill: send an xxh3 checksum of each payload (decode verifies any it gets). Off by default:
+    # benchmarks/results/bench_pd.txt measures what it costs against raw ZMQ.
+    checksum: bool = False
 
 
 @dataclass
@@ -173,3 +177,85 @@ class EngineConfig:
             raise ValueError(f"spec_policy must be adaptive or fixed, got {self.spec_policy!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+
+# -- cluster key: CURVE authentication and encryption of every engine and KV socket ----------------
+
+CLUSTER_KEY_ENV = "PDSERVE_CLUSTER_KEY"            # the cluster's CURVE secret key (z85, 40 characters)
+CLUSTER_KEY_FILE_ENV = "PDSERVE_CLUSTER_KEY_FILE"  # or a file holding it (a mounted secret)
+ALLOW_INSECURE_ENV = "PDSERVE_ALLOW_INSECURE"      # =1: bind beyond loopback without a key anyway
+
+
+@dataclass(frozen=True)
+class ClusterKey:
+    """One CURVE key pair for the whole cluster. Every socket that binds (the front end's engine
+    socket, a prefill's KV port) is a CURVE server with it, and accepts only clients that prove
+    they hold the same secret (its ZAP handler admits the cluster's public key alone); every socket
+    that connects is a CURVE client with it. A process without the secret cannot complete a
+    handshake, so it can neither register as an engine nor pull KV, and all traffic is encrypted."""
+
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def generate(cls) -> ClusterKey:
+        import zmq
+
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret)
+
+    @classmethod
+    def from_secret(cls, secret: str | bytes) -> ClusterKey:
+        import zmq
+
+        raw = secret.strip().encode() if isinstance(secret, str) else secret.strip()
+        if len(raw) != 40:
+            raise ValueError(f"{CLUSTER_KEY_ENV}: a CURVE secret key is 40 z85 characters, got {len(raw)} "
+                             "(make one with `pdserve keygen FILE`)")
+        return cls(zmq.curve_public(raw), raw)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> ClusterKey | None:
+        env = os.environ if environ is None else environ
+        if env.get(CLUSTER_KEY_FILE_ENV):
+            return cls.from_secret(Path(env[CLUSTER_KEY_FILE_ENV]).read_text())
+        return cls.from_secret(env[CLUSTER_KEY_ENV]) if env.get(CLUSTER_KEY_ENV) else None
+
+    def secure_server(self, sock: Any) -> None:
+        """Before bind: a CURVE server holding the cluster key."""
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_server = self.secret, self.public, True
+
+    def secure_client(self, sock: Any) -> None:
+        """Before connect: a CURVE client that proves it holds the cluster key and checks the server does."""
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = self.public, self.public, self.secret
+
+    def authenticator(self, ctx: Any) -> Any:
+        """Start the ZAP handler of `ctx` (threaded, or asyncio for a zmq.asyncio context): CURVE
+        clients with any key but the cluster's are refused. Call its stop() before closing `ctx`."""
+        import zmq.asyncio
+        from zmq.auth.asyncio import AsyncioAuthenticator
+        from zmq.auth.thread import ThreadAuthenticator
+
+        public = self.public
+
+        class _OnlyTheClusterKey:
+            def callback(self, domain: str, key: bytes) -> bool:
+                return key == public
+
+        auth = (AsyncioAuthenticator if isinstance(ctx, zmq.asyncio.Context) else ThreadAuthenticator)(ctx)
+        auth.start()
+        auth.configure_curve_callback("*", credentials_provider=_OnlyTheClusterKey())
+        return auth
+
+
+def check_bind(addr: str, key: ClusterKey | None, what: str) -> None:
+    """Without a cluster key a socket may listen only on loopback or ipc: anyone who reaches it could
+    act as an engine (or a decode instance). Raises ValueError saying so, unless explicitly allowed."""
+    if key is not None or not addr.startswith("tcp://"):
+        return
+    host = addr[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1") or os.environ.get(ALLOW_INSECURE_ENV) == "1":
+        return
+    raise ValueError(f"{what}: refusing to bind {addr} without a cluster key: anyone who reaches it could pose as "
+                     f"an engine. Set {CLUSTER_KEY_FILE_ENV} (or {CLUSTER_KEY_ENV}; make one with `pdserve keygen "
+                     f"FILE`), bind 127.0.0.1 or ipc://, or set {ALLOW_INSECURE_ENV}=1 on a trusted network")

@@ -78,19 +78,29 @@ class EngineCore:
             raise ValueError("sampling_params must be a SamplingParams")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, req_id: str | None = None,
-                    prefill_endpoint: str = "") -> str:
-        """Validate and queue; `prefill_endpoint` (decode role) is where the prompt's KV comes from."""
+                    prefill_endpoint: str = "", transfer_id: str = "") -> str:
+        """Validate and queue; `prefill_endpoint` (decode role) is where the prompt's KV comes from,
+        `transfer_id` (PD) names this attempt's KV transfer."""
         self.validate_prompt(prompt_token_ids, params)
         req_id = req_id or uuid.uuid4().hex
         if req_id in self.scheduler.requests:
             raise ValueError(f"request_id {req_id!r} is already in use")
         request = Request(req_id, list(prompt_token_ids), params, self.model_config.eos_token_ids)
+        request.kv_transfer_id = transfer_id
         self.connector.on_new_request(request, prefill_endpoint)
-        self.scheduler.add_request(request)
+        try:
+            self.scheduler.add_request(request)
+        except ValueError:
+            self.connector.abort(req_id, transfer_id)
+            raise
         return req_id
 
-    def abort_request(self, req_id: str) -> bool:
-        self.connector.abort(req_id)
+    def abort_request(self, req_id: str, transfer_id: str | None = None) -> bool:
+        """Abort a request (`transfer_id`: only if it is that attempt's; the scheduler has one per id)."""
+        self.connector.abort(req_id, transfer_id)
+        request = self.scheduler.requests.get(req_id)
+        if transfer_id is not None and request is not None and request.kv_transfer_id != transfer_id:
+            return False  # an abort of an older attempt: the request here is a newer one
         return self.scheduler.abort_request(req_id)
 
     def has_unfinished(self) -> bool:
@@ -119,7 +129,7 @@ class EngineCore:
         loaded, failed = self.connector.poll()
         for item in loaded:
             self.scheduler.kv_loaded(item.req_id, item.t0, item.num_tokens)
-        return [self.scheduler.kv_failed(item.req_id, item.reason) for item in failed]
+        return [self.scheduler.kv_failed(item.req_id, item.reason, item.retryable) for item in failed]
 
     def stats(self) -> EngineStats:
         s = self.scheduler

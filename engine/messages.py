@@ -11,10 +11,12 @@ class Submit(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams             # validated again when decoded
     prefill_endpoint: str = ""         # decode role: where to pull the KV from
+    transfer_id: str = ""              # PD: this attempt's KV transfer (the same on P and D; new on a retry)
 
 
 class Abort(msgspec.Struct, tag=True):
     req_id: str
+    transfer_id: str = ""              # the attempt aborted ("": whichever the engine has)
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -33,6 +35,7 @@ class Output(msgspec.Struct, tag=True):
     error: str | None = None
     retryable: bool = False            # error that a fresh prefill may fix (KV transfer failed)
     queue_time: float | None = None
+    transfer_id: str = ""              # PD: the attempt this output belongs to (late ones of old attempts are dropped)
 
 
 class Heartbeat(msgspec.Struct, tag=True):

@@ -19,7 +19,7 @@ import msgspec
 import zmq
 
 from engine import messages as msg
-from engine.config import EngineConfig, KVTransferConfig
+from engine.config import ClusterKey, EngineConfig, KVTransferConfig
 from engine.core import EngineCore
 from engine.types import EngineRole, FinishReason
 from kv_transfer.connector import get_kv_connector
@@ -33,8 +33,10 @@ IDLE_POLL_MS = 20
 
 
 class EngineProcess:
-    def __init__(self, role: EngineRole | str, config: EngineConfig, name: str, server_addr: str, **kv) -> None:
-        """`kv`: the KVTransferConfig fields with a `kv_` prefix (kv_addr, kv_lease_s, ...)."""
+    def __init__(self, role: EngineRole | str, config: EngineConfig, name: str, server_addr: str,
+                 cluster_key: ClusterKey | None = None, **kv) -> None:
+        """`kv`: the KVTransferConfig fields with a `kv_` prefix (kv_addr, kv_lease_s, ...).
+        `cluster_key` (default: from PDSERVE_CLUSTER_KEY[_FILE]) secures the link and the KV sockets."""
         try:
             self.role = EngineRole(role)
         except ValueError:
@@ -48,12 +50,15 @@ class EngineProcess:
         self.link = self.zmq.socket(zmq.DEALER)
         self.link.setsockopt(zmq.IDENTITY, name.encode())
         self.link.setsockopt(zmq.LINGER, 0)
+        cluster_key = cluster_key or ClusterKey.from_env()
+        if cluster_key is not None:
+            cluster_key.secure_client(self.link)
         self.link.connect(server_addr)
         runner = self.core.runner
         compat = compat_description(config, self.core.model_config, runner.num_kv_layers)
         kv_config = KVTransferConfig(**{k.removeprefix("kv_"): v for k, v in kv.items()})
         self.connector = get_kv_connector(self.role, self.zmq, runner.kv_cache, compat, name,
-                                          self.core.block_manager.free_blocks, kv_config)
+                                          self.core.block_manager.free_blocks, kv_config, cluster_key)
         self.core.set_kv_connector(self.connector)
         self.stopping = False
         self.busy_loop_s = 0.0
@@ -113,15 +118,17 @@ class EngineProcess:
             if isinstance(message, msg.Submit):
                 self._submit(message)
             elif isinstance(message, msg.Abort):
-                self.core.abort_request(message.req_id)
+                self.core.abort_request(message.req_id, message.transfer_id or None)
             elif isinstance(message, msg.Shutdown):
                 self.stopping = True
 
     def _submit(self, sub: msg.Submit) -> None:
         try:
-            self.core.add_request(sub.prompt_token_ids, sub.params, sub.req_id, sub.prefill_endpoint)
+            self.core.add_request(sub.prompt_token_ids, sub.params, sub.req_id, sub.prefill_endpoint,
+                                  sub.transfer_id)
         except ValueError as e:
-            self._emit(msg.Output(self.name, sub.req_id, [], finish_reason=FinishReason.ERROR, error=str(e)))
+            self._emit(msg.Output(self.name, sub.req_id, [], finish_reason=FinishReason.ERROR, error=str(e),
+                                  transfer_id=sub.transfer_id))
 
     def _refuse(self, data: bytes, error: Exception) -> None:
         """A message that does not decode: answer a Submit (its id is readable) with an error."""
@@ -136,7 +143,7 @@ class EngineProcess:
     def _send_updates(self, updates: list[RequestUpdate]) -> None:
         for u in updates:
             self._emit(msg.Output(self.name, u.req_id, u.new_token_ids, u.first_index, u.new_logprobs, u.finish_reason,
-                                  u.error, u.retryable, u.queue_time))
+                                  u.error, u.retryable, u.queue_time, u.transfer_id))
 
     def _emit(self, message: msg.Output | msg.Heartbeat) -> None:
         self.link.send(msg.encode(message))

@@ -37,6 +37,8 @@ class Request:
     remote_decode: bool = False
     # decode role: the KV endpoint of the prefill instance the prompt's KV comes from, until it has come.
     kv_source: str = ""
+    # prefill and decode roles: the id the front end gave this attempt's KV transfer (a retry gets a new one).
+    kv_transfer_id: str = ""
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -11,24 +11,30 @@ loop, the engine core and the scheduler call the same methods whatever the role.
                                   reports each transfer done or failed
 
 Calls, by who makes them:
-    process    on_new_request(request, prefill_endpoint), abort(req_id), sockets(), counters(), close()
+    process    on_new_request(request, prefill_endpoint), abort(req_id, transfer_id), sockets(), counters(),
+               close()
     core       poll() -> (loaded, failed): transfers finished since the last call
     scheduler  start_load(request): blocks reserved, fetch the KV (status WAITING_FOR_KV)
                request_finished(request) -> True when the connector now owns the request's blocks
+
+A transfer is named by (request id, `request.kv_transfer_id`, P instance): the front end picks a
+new transfer id for every attempt, so a retry never takes an older attempt's KV.
 """
 from __future__ import annotations
 
+import json
 import logging
 import socket
+import time
 from collections.abc import Callable
 
 import torch
 import zmq
 
-from engine.config import KVTransferConfig
+from engine.config import ClusterKey, KVTransferConfig
 from engine.request import Request
 from engine.types import EngineRole, FinishReason
-from kv_transfer.handshake import compat_hash
+from kv_transfer.handshake import compat_hash, describe_difference
 from kv_transfer.receiver import Completed, Failed, KVReceiver
 from kv_transfer.sender import KVSender
 
@@ -53,8 +59,9 @@ class KVConnector:
         """True when the connector keeps the finished request's blocks (it frees them itself)."""
         return False
 
-    def abort(self, req_id: str) -> None:
-        """The front end aborted the request: drop any transfer of it, and tell the peer."""
+    def abort(self, req_id: str, transfer_id: str | None = None) -> None:
+        """The front end aborted the request (that attempt only, when `transfer_id` is given):
+        drop any transfer of it, and tell the peer."""
 
     def poll(self) -> KVEvents:
         """Serve the KV port(s); the transfers that landed and those that failed since the last poll."""
@@ -80,16 +87,18 @@ class PrefillConnector(KVConnector):
 
     def on_new_request(self, request: Request, prefill_endpoint: str) -> None:
         request.remote_decode = True  # stop after t0: the decode instance generates the rest
+        self.sender.supersede(request.req_id, request.kv_transfer_id)  # a retry here: the old attempt is over
 
     def request_finished(self, request: Request) -> bool:
         if request.finish_reason != FinishReason.HANDED_OFF:
             return False  # finished here (t0 was a stop, an abort, an error): nothing to send
         # The sender's lease is the one record of these blocks from now on (freed on ack/expiry).
-        self.sender.hold(request.req_id, list(request.block_ids), request.prompt_len, request.output_token_ids[0])
+        self.sender.hold(request.req_id, list(request.block_ids), request.prompt_len, request.output_token_ids[0],
+                         request.kv_transfer_id)
         return True
 
-    def abort(self, req_id: str) -> None:
-        self.sender.drop(req_id, "aborted")
+    def abort(self, req_id: str, transfer_id: str | None = None) -> None:
+        self.sender.drop(req_id, "aborted", transfer_id)
 
     def poll(self) -> KVEvents:
         self.sender.poll()
@@ -106,22 +115,45 @@ class PrefillConnector(KVConnector):
 
 
 class DecodeConnector(KVConnector):
+    """Also keeps the reservation deadline: a request whose blocks the scheduler could not reserve
+    within `reserve_deadline_s` (memory taken by running requests) fails with a retryable error
+    instead of waiting behind them for ever, and its P is told to release its KV."""
+
     role = EngineRole.DECODE
 
-    def __init__(self, receiver: KVReceiver) -> None:
+    def __init__(self, receiver: KVReceiver, reserve_deadline_s: float = 20.0) -> None:
         self.receiver = receiver
+        self.reserve_deadline_s = reserve_deadline_s
+        self.queued: dict[str, tuple[Request, float]] = {}  # waiting for blocks: (request, deadline)
 
     def on_new_request(self, request: Request, prefill_endpoint: str) -> None:
         request.kv_source = prefill_endpoint  # the scheduler reserves blocks, then start_load pulls
+        if prefill_endpoint:
+            self.queued[request.req_id] = (request, time.monotonic() + self.reserve_deadline_s)
 
     def start_load(self, request: Request) -> None:
-        self.receiver.start(request.req_id, request.kv_source, request.block_ids)
+        self.queued.pop(request.req_id, None)
+        self.receiver.start(request.req_id, request.kv_source, request.block_ids, request.kv_transfer_id,
+                            request.prompt_len)
 
-    def abort(self, req_id: str) -> None:
-        self.receiver.cancel(req_id, "aborted")
+    def abort(self, req_id: str, transfer_id: str | None = None) -> None:
+        queued = self.queued.get(req_id)
+        if queued is not None and transfer_id in (None, queued[0].kv_transfer_id):
+            del self.queued[req_id]
+        self.receiver.cancel(req_id, "aborted", transfer_id)
 
     def poll(self) -> KVEvents:
-        return self.receiver.poll()
+        done, failed = self.receiver.poll()
+        now = time.monotonic()
+        for req_id, (request, deadline) in list(self.queued.items()):
+            if deadline < now:
+                del self.queued[req_id]
+                reason = (f"decode {self.receiver.name} had no KV memory for the prompt's "
+                          f"{request.prompt_len} tokens within {self.reserve_deadline_s:g} s")
+                self.receiver.release(req_id, request.kv_source, request.kv_transfer_id, reason)
+                self.receiver.stats.reservations_expired += 1
+                failed.append(Failed(req_id, reason))
+        return done, failed
 
     def sockets(self) -> list[zmq.Socket]:
         return self.receiver.sockets()
@@ -134,16 +166,22 @@ class DecodeConnector(KVConnector):
 
 
 def get_kv_connector(role: EngineRole, ctx: zmq.Context, kv_cache: torch.Tensor, compat: dict, name: str,
-                     free_blocks: Callable[[list[int]], None], kv: KVTransferConfig) -> KVConnector:
+                     free_blocks: Callable[[list[int]], None], kv: KVTransferConfig,
+                     cluster_key: ClusterKey | None = None) -> KVConnector:
     """The connector for `role`. `compat` describes the KV layout (handshake.compat_description);
-    `free_blocks` gives blocks back to the engine's block manager (prefill: after the transfer)."""
-    chash, desc_text = compat_hash(compat), str(compat)
+    `free_blocks` gives blocks back to the engine's block manager (prefill: after the transfer);
+    `cluster_key` makes the KV sockets CURVE-only."""
+    chash, desc_text = compat_hash(compat), json.dumps(compat, sort_keys=True)
     if role == EngineRole.PREFILL:
         sender = KVSender(ctx, kv.addr or "tcp://127.0.0.1:0", kv_cache, chash, desc_text, name,
-                          lambda _req_id, blocks: free_blocks(blocks), kv.lease_s, kv.key)
+                          lambda _req_id, blocks: free_blocks(blocks), kv.lease_s, kv.key, kv.checksum,
+                          lambda theirs: describe_difference(compat, theirs), cluster_key)
         return PrefillConnector(sender, kv.advertise or advertised(sender.address))
     if role == EngineRole.DECODE:
-        return DecodeConnector(KVReceiver(ctx, kv_cache, chash, desc_text, name, kv.deadline_s, kv.key))
+        vocab = (compat.get("config") or {}).get("vocab_size")
+        receiver = KVReceiver(ctx, kv_cache, chash, desc_text, name, kv.deadline_s, kv.key, vocab,
+                              cluster_key=cluster_key)
+        return DecodeConnector(receiver, kv.reserve_deadline_s)
     return KVConnector()
 
 

@@ -3,15 +3,20 @@
 A decode instance (D) connects a DEALER to a prefill instance's (P) ROUTER KV port:
 
     D -> P  Hello(compat_hash, key)          P -> D  HelloAck | HelloReject(reason)
-    D -> P  PullKV(req_id)                   (D has reserved blocks; "send when ready")
+    D -> P  PullKV(req_id, transfer_id)      (D has reserved blocks; "send when ready")
     P -> D  [KVHeader, frames...]            per KV layer (MTP included), K then V, one frame per run
                                              of consecutive blocks, straight from the cache's memory
-    P -> D  KVError(req_id, reason)          (P cannot serve it: aborted, expired, unknown)
-    D -> P  KVAck(req_id)                    (P frees its blocks)
-    D -> P  KeepAlive(req_ids)               (renews P's lease on those requests)
-    D -> P  Release(req_id)                  (D gave up: abort, reservation deadline)
+    P -> D  KVError(req_id, transfer_id, reason)  (P cannot serve it: aborted, lease expired, replaced)
+    D -> P  KVAck(req_id, transfer_id)       (P frees its blocks)
+    D -> P  KeepAlive(req_ids, transfer_ids) (renews P's lease on those transfers)
+    D -> P  Release(req_id, reason, transfer_id)  (D gave up, or got a transfer it did not expect)
     P -> D  HandshakeRequired(reason)        (P does not know this connection: it restarted at the same
                                              address, or D reconnected; D says Hello again, re-sends pulls)
+
+Every transfer has an identity: the request id, the transfer id the front end chose for this
+attempt (a retry of the same request gets a new one), and the P instance (the connection it came
+on and the `sender` name in the header). Either side acts only on messages for the transfer it
+expects; anything else is dropped, counted and, where the peer holds memory for it, answered.
 
 Tensor payloads are raw frames sent without copying; nothing is pickled.
 """
@@ -22,7 +27,7 @@ import msgspec
 
 class Hello(msgspec.Struct, tag=True):
     compat_hash: str
-    description: str
+    description: str       # JSON of the compatibility description, so a refusal can name what differs
     peer: str
     key: str = ""
 
@@ -37,34 +42,43 @@ class HelloReject(msgspec.Struct, tag=True):
 
 class PullKV(msgspec.Struct, tag=True):
     req_id: str
+    transfer_id: str = ""
 
 
 class KVHeader(msgspec.Struct, tag=True):
     req_id: str
-    num_tokens: int            # positions [0, num_tokens) are valid
-    num_blocks: int
+    num_tokens: int            # positions [0, num_tokens) are valid: the prompt
+    num_blocks: int            # ceil(num_tokens / block_size)
     t0: int                    # the handoff token sampled on P
     run_lengths: list[int]     # blocks per frame; frames go layer by layer, K then V, run by run
     block_shape: list[int]     # [block_size, kv_heads, head_dim]
     dtype: str
+    transfer_id: str = ""
+    sender: str = ""           # P's instance name
+    checksum: int | None = None  # xxh3_64 of every frame's bytes in order; None: not computed
 
 
 class KVError(msgspec.Struct, tag=True):
     req_id: str
     reason: str
+    transfer_id: str = ""
+    retryable: bool = True     # a fresh prefill may succeed (lease expired, P aborted or replaced it)
 
 
 class KVAck(msgspec.Struct, tag=True):
     req_id: str
+    transfer_id: str = ""
 
 
 class KeepAlive(msgspec.Struct, tag=True):
     req_ids: list[str]
+    transfer_ids: list[str] = []   # parallel to req_ids
 
 
 class Release(msgspec.Struct, tag=True):
     req_id: str
     reason: str
+    transfer_id: str = ""
 
 
 class HandshakeRequired(msgspec.Struct, tag=True):

@@ -2,6 +2,14 @@
 
 One DEALER per prefill endpoint, handshaked on first use. Every pull has a deadline; a pull
 that misses it (P died, P overloaded) fails with a clear reason and P is told to release.
+
+A pull expects one transfer: (request id, transfer id) from the P at its endpoint. A header or
+error for anything else (an old attempt, another P, a request D never reserved) is dropped and
+counted, and answered with a Release so that a P holding blocks for it frees them now. A header
+for the expected transfer is validated against the reservation — token and block counts, t0,
+frame count and sizes, checksum — before a byte is written into KV memory.
+A refused handshake is tried again with a backoff, so a P restarted with the right key or model
+is used again without restarting D.
 """
 from __future__ import annotations
 
@@ -13,12 +21,16 @@ import msgspec
 import torch
 import zmq
 
+from engine.config import ClusterKey
 from kv_transfer import messages as m
+from kv_transfer.sender import frames_checksum
 from kv_transfer.stats import TransferStats
 
 logger = logging.getLogger(__name__)
 
 KEEPALIVE_S = 1.0
+REJECT_BACKOFF_S = 1.0       # first wait before saying Hello again to a peer that refused us
+REJECT_BACKOFF_MAX_S = 30.0  # doubled on each refusal up to this
 
 
 @dataclass
@@ -29,6 +41,8 @@ class Pull:
     started: float
     deadline: float
     requested: bool = False
+    transfer_id: str = ""
+    num_tokens: int | None = None   # the reserved request's prompt length, when known
 
 
 @dataclass
@@ -42,46 +56,68 @@ class Completed:
 class Failed:
     req_id: str
     reason: str
+    retryable: bool = True   # a fresh prefill may fix it
 
 
 @dataclass
 class Peer:
     socket: zmq.Socket
-    state: str = "connecting"   # connecting -> ready | rejected
+    endpoint: str = ""
+    state: str = "connecting"   # connecting -> ready | rejected (-> connecting again after the backoff)
     reason: str = ""
+    name: str = ""              # the P instance's name, from its HelloAck
     pulls: set[str] = field(default_factory=set)
     last_keepalive: float = 0.0
+    retry_at: float = 0.0       # rejected: when to say Hello again
+    backoff: float = 0.0        # the next wait after a refusal (0: the first, REJECT_BACKOFF_S)
 
 
 class KVReceiver:
     def __init__(self, ctx: zmq.Context, kv_cache: torch.Tensor, compat_hash: str, description: str, name: str,
-                 deadline_s: float = 60.0, key: str = "") -> None:
+                 deadline_s: float = 60.0, key: str = "", vocab_size: int | None = None,
+                 verify_checksums: bool = True, cluster_key: ClusterKey | None = None) -> None:
         self.ctx = ctx
+        self.cluster_key = cluster_key  # CURVE: prove we hold the cluster key, check that P does
         self.kv_cache = kv_cache
         self.compat_hash, self.description, self.name = compat_hash, description, name
         self.deadline_s = deadline_s
         self.key = key
+        self.vocab_size = vocab_size
+        self.verify_checksums = verify_checksums
         self.peers: dict[str, Peer] = {}
         self.pulls: dict[str, Pull] = {}
         self.stats = TransferStats()
         self.dtype_name = str(kv_cache.dtype).removeprefix("torch.")
 
-    def start(self, req_id: str, endpoint: str, block_ids: list[int]) -> None:
+    def start(self, req_id: str, endpoint: str, block_ids: list[int], transfer_id: str = "",
+              num_tokens: int | None = None) -> None:
+        if req_id in self.pulls:  # the same id again: the old pull is over, whatever it was
+            self.cancel(req_id, "replaced by a new pull of the same request")
         now = time.monotonic()
-        pull = Pull(req_id, endpoint, block_ids, now, now + self.deadline_s)
+        pull = Pull(req_id, endpoint, block_ids, now, now + self.deadline_s, transfer_id=transfer_id,
+                    num_tokens=num_tokens)
         self.pulls[req_id] = pull
         peer = self._peer(endpoint)
         peer.pulls.add(req_id)
         if peer.state == "ready":
             self._request(peer, pull)
+        elif peer.state == "rejected" and now >= peer.retry_at:
+            logger.info("saying Hello again to prefill %s, which refused us before", endpoint)
+            self._rehandshake(peer)
 
-    def cancel(self, req_id: str, reason: str) -> None:
-        pull = self.pulls.pop(req_id, None)
-        if pull is not None:
-            peer = self.peers.get(pull.endpoint)
-            if peer is not None:
-                peer.pulls.discard(req_id)
-                self._send(peer, m.Release(req_id, reason))
+    def cancel(self, req_id: str, reason: str, transfer_id: str | None = None) -> None:
+        """Give up a pull (of that transfer only, when `transfer_id` is given) and tell P to release."""
+        pull = self.pulls.get(req_id)
+        if pull is None or transfer_id not in (None, pull.transfer_id):
+            return
+        self._end(pull)
+        peer = self.peers.get(pull.endpoint)
+        if peer is not None:
+            self._send(peer, m.Release(req_id, reason, pull.transfer_id))
+
+    def release(self, req_id: str, endpoint: str, transfer_id: str, reason: str) -> None:
+        """Tell the P at `endpoint` to free a transfer D will never pull (a reservation that failed)."""
+        self._send(self._peer(endpoint), m.Release(req_id, reason, transfer_id))
 
     def sockets(self) -> list[zmq.Socket]:
         return [p.socket for p in self.peers.values()]
@@ -89,13 +125,17 @@ class KVReceiver:
     def poll(self) -> tuple[list[Completed], list[Failed]]:
         done: list[Completed] = []
         failed: list[Failed] = []
-        for endpoint, peer in list(self.peers.items()):
+        for peer in list(self.peers.values()):
             while True:
                 try:
                     frames = peer.socket.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                self._handle(endpoint, peer, frames, done, failed)
+                try:
+                    self._handle(peer, frames, done, failed)
+                except Exception:  # nothing a peer sends may end the engine loop
+                    self.stats.dropped_frames += 1
+                    logger.exception("dropping a KV message from %s that broke its handler", peer.endpoint)
         self._housekeeping(failed)
         return done, failed
 
@@ -106,11 +146,19 @@ class KVReceiver:
         if peer is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            # No frame from P is ever larger than one layer's K (or V) of the whole cache: a bigger one
+            # is hostile, and ZMQ drops the connection before allocating it.
+            sock.setsockopt(zmq.MAXMSGSIZE, self.kv_cache[0, 0].numel() * self.kv_cache.element_size() + (1 << 20))
+            if self.cluster_key is not None:
+                self.cluster_key.secure_client(sock)
             sock.connect(endpoint)
-            peer = Peer(sock, last_keepalive=time.monotonic())  # the Hello below counts as the first "keepalive"
+            peer = Peer(sock, endpoint, last_keepalive=time.monotonic())  # the Hello counts as the first "keepalive"
             self.peers[endpoint] = peer
-            self._send(peer, m.Hello(self.compat_hash, self.description, self.name, self.key))
+            self._hello(peer)
         return peer
+
+    def _hello(self, peer: Peer) -> None:
+        self._send(peer, m.Hello(self.compat_hash, self.description, self.name, self.key))
 
     def _rehandshake(self, peer: Peer) -> None:
         """Say Hello again; pulls not yet answered are re-sent once the HelloAck arrives."""
@@ -119,82 +167,142 @@ class KVReceiver:
         for req_id in peer.pulls:
             if req_id in self.pulls:
                 self.pulls[req_id].requested = False
-        self._send(peer, m.Hello(self.compat_hash, self.description, self.name, self.key))
+        self._hello(peer)
 
     def _request(self, peer: Peer, pull: Pull) -> None:
-        self._send(peer, m.PullKV(pull.req_id))
+        self._send(peer, m.PullKV(pull.req_id, pull.transfer_id))
         pull.requested = True
 
-    def _handle(self, endpoint: str, peer: Peer, frames: list, done: list[Completed], failed: list[Failed]) -> None:
+    def _end(self, pull: Pull) -> None:
+        """The pull is over (landed, failed, cancelled): forget it everywhere, so no KeepAlive renews it."""
+        if self.pulls.get(pull.req_id) is pull:
+            del self.pulls[pull.req_id]
+        peer = self.peers.get(pull.endpoint)
+        if peer is not None:
+            peer.pulls.discard(pull.req_id)
+
+    def _expected(self, peer: Peer, req_id: str, transfer_id: str, sender: str | None = None) -> Pull | None:
+        """The pull this message belongs to, if it is the transfer D expects from this peer."""
+        pull = self.pulls.get(req_id)
+        if pull is None or pull.transfer_id != transfer_id or pull.endpoint != peer.endpoint:
+            return None
+        if sender is not None and peer.name and sender != peer.name:
+            return None
+        return pull
+
+    def _handle(self, peer: Peer, frames: list, done: list[Completed], failed: list[Failed]) -> None:
         try:
             msg = m.decode(frames[0].buffer)
         except (msgspec.DecodeError, msgspec.ValidationError):
             self.stats.dropped_frames += 1
             return
-        if isinstance(msg, m.HelloAck):
-            peer.state = "ready"
+        if isinstance(msg, m.KVHeader):
+            self._on_header(peer, msg, frames[1:], done, failed)
+        elif isinstance(msg, m.KVError):
+            self._on_error(peer, msg, failed)
+        elif len(frames) != 1:  # control messages are one frame
+            self.stats.dropped_frames += 1
+        elif isinstance(msg, m.HelloAck) and peer.state == "connecting":
+            peer.state, peer.name, peer.backoff = "ready", msg.peer, 0.0
             for req_id in list(peer.pulls):
                 if req_id in self.pulls and not self.pulls[req_id].requested:
                     self._request(peer, self.pulls[req_id])
-        elif isinstance(msg, m.HandshakeRequired):
+        elif isinstance(msg, m.HandshakeRequired) and peer.state != "rejected":
             if peer.state == "ready":  # every message sent meanwhile bounces: re-handshake once
-                logger.warning("prefill %s lost our handshake (restarted?): saying Hello again", endpoint)
+                logger.warning("prefill %s lost our handshake (restarted?): saying Hello again", peer.endpoint)
                 self._rehandshake(peer)
-        elif isinstance(msg, m.HelloReject):
-            peer.state, peer.reason = "rejected", msg.reason
-            self.stats.handshakes_rejected += 1
-            logger.error("prefill %s refused the handshake: %s", endpoint, msg.reason)
-        elif isinstance(msg, m.KVHeader):
-            pull = self.pulls.pop(msg.req_id, None)
-            if pull is None:
-                return  # cancelled meanwhile; P's lease was already released by our Release
-            peer.pulls.discard(msg.req_id)
-            error = self._write(pull, msg, frames[1:])
-            if error:
-                self.stats.transfers_failed += 1
-                self._send(peer, m.Release(msg.req_id, error))
-                failed.append(Failed(msg.req_id, error))
-                return
-            self._send(peer, m.KVAck(msg.req_id))
-            self.stats.transfers_received += 1
-            self.stats.latency_seconds_sum += time.monotonic() - pull.started
-            self.stats.latency_seconds_count += 1
-            done.append(Completed(msg.req_id, msg.t0, msg.num_tokens))
-        elif isinstance(msg, m.KVError):
-            pull = self.pulls.pop(msg.req_id, None)
-            peer.pulls.discard(msg.req_id)
-            if pull is not None:
-                self.stats.transfers_failed += 1
-                failed.append(Failed(msg.req_id, f"prefill refused the KV transfer: {msg.reason}"))
+        elif isinstance(msg, m.HelloReject) and peer.state == "connecting":
+            self._rejected(peer, msg.reason)
         else:
-            self.stats.dropped_frames += 1
+            self.stats.dropped_unexpected += 1
 
-    def _write(self, pull: Pull, header: m.KVHeader, frames: list) -> str | None:
+    def _rejected(self, peer: Peer, reason: str) -> None:
+        peer.state, peer.reason = "rejected", reason
+        wait = peer.backoff or REJECT_BACKOFF_S
+        peer.retry_at = time.monotonic() + wait
+        peer.backoff = min(wait * 2, REJECT_BACKOFF_MAX_S)
+        self.stats.handshakes_rejected += 1
+        logger.error("prefill %s refused the handshake: %s (trying again in %.0f s at the earliest)",
+                     peer.endpoint, reason, peer.retry_at - time.monotonic())
+
+    def _on_header(self, peer: Peer, header: m.KVHeader, frames: list, done: list[Completed],
+                   failed: list[Failed]) -> None:
+        pull = self._expected(peer, header.req_id, header.transfer_id, header.sender)
+        if pull is None:
+            # Not the transfer we wait for (an old attempt, a cancelled pull, a duplicate): if P is
+            # holding blocks for it, it can free them now instead of at the end of its lease.
+            self.stats.dropped_unexpected += 1
+            self._send(peer, m.Release(header.req_id, "decode does not expect this transfer", header.transfer_id))
+            return
+        self._end(pull)
+        error = self._validate(pull, header, frames) or self._write(pull, header, frames)
+        if error:
+            self.stats.transfers_failed += 1
+            self.stats.transfers_invalid += 1
+            logger.warning("%s", error)
+            self._send(peer, m.Release(header.req_id, error, header.transfer_id))
+            failed.append(Failed(header.req_id, error))
+            return
+        self._send(peer, m.KVAck(header.req_id, header.transfer_id))
+        self.stats.transfers_received += 1
+        self.stats.latency_seconds_sum += time.monotonic() - pull.started
+        self.stats.latency_seconds_count += 1
+        done.append(Completed(header.req_id, header.t0, header.num_tokens))
+
+    def _on_error(self, peer: Peer, msg: m.KVError, failed: list[Failed]) -> None:
+        pull = self._expected(peer, msg.req_id, msg.transfer_id)
+        if pull is None:
+            self.stats.dropped_unexpected += 1
+            return
+        self._end(pull)
+        self.stats.transfers_failed += 1
+        failed.append(Failed(msg.req_id, f"prefill refused the KV transfer: {msg.reason}", msg.retryable))
+
+    def _validate(self, pull: Pull, header: m.KVHeader, frames: list) -> str | None:
+        """Why the header and frames do not fit the reservation, or None. Runs before any write."""
         cache = self.kv_cache
-        num_layers = cache.shape[0]
-        runs = header.run_lengths
-        block_shape = list(cache.shape[3:])
-        if (header.block_shape != block_shape or header.dtype != self.dtype_name or sum(runs) != header.num_blocks
-                or header.num_blocks > len(pull.block_ids) or len(frames) != num_layers * 2 * len(runs)
-                or min(runs, default=1) < 1):
-            return (f"malformed KV transfer for {pull.req_id}: {len(frames)} frames of blocks {header.block_shape} "
-                    f"{header.dtype}, expected {num_layers} layers x K/V x {len(runs)} runs of "
+        num_layers, block_shape = cache.shape[0], list(cache.shape[3:])
+        runs, n = header.run_lengths, header.num_blocks
+        what = f"malformed KV transfer for {pull.req_id} from {pull.endpoint}"
+        if header.block_shape != block_shape or header.dtype != self.dtype_name:
+            return f"{what}: blocks {header.block_shape} {header.dtype}, expected {block_shape} {self.dtype_name}"
+        if pull.num_tokens is not None and header.num_tokens != pull.num_tokens:
+            return f"{what}: {header.num_tokens} tokens, the reserved prompt has {pull.num_tokens}"
+        if header.num_tokens < 1 or n != -(-header.num_tokens // block_shape[0]) or n > len(pull.block_ids):
+            return (f"{what}: {n} blocks for {header.num_tokens} tokens of {block_shape[0]} per block "
+                    f"({len(pull.block_ids)} reserved)")
+        if self.vocab_size is not None and not 0 <= header.t0 < self.vocab_size:
+            return f"{what}: t0={header.t0} is outside the vocabulary [0, {self.vocab_size})"
+        if min(runs, default=0) < 1 or sum(runs) != n:
+            return f"{what}: runs {runs[:8]} do not cover its {n} blocks"
+        if len(frames) != num_layers * 2 * len(runs):
+            return (f"{what}: {len(frames)} frames, expected {num_layers} layers x K/V x {len(runs)} runs of "
                     f"{block_shape} {self.dtype_name}")
         block_bytes = cache.element_size() * cache[0, 0, 0].numel()
         if any(len(frames[i].buffer) != block_bytes * runs[i % len(runs)] for i in range(len(frames))):
             return f"truncated KV transfer for {pull.req_id}"
+        if (header.checksum is not None and self.verify_checksums
+                and frames_checksum([f.buffer for f in frames]) != header.checksum):
+            self.stats.checksum_mismatches += 1
+            return f"corrupted KV transfer for {pull.req_id} from {pull.endpoint}: checksum mismatch"
+        return None
+
+    def _write(self, pull: Pull, header: m.KVHeader, frames: list) -> None:
+        """Copy validated frames into the reserved blocks."""
+        cache = self.kv_cache
+        runs, block_shape = header.run_lengths, list(cache.shape[3:])
         dst = torch.tensor(pull.block_ids[: header.num_blocks], dtype=torch.long, device=cache.device)
         offsets = [0]
         for n in runs:
             offsets.append(offsets[-1] + n)
         i = 0
-        for layer in range(num_layers):
+        for layer in range(cache.shape[0]):
             for kv in (0, 1):
                 for r, n in enumerate(runs):
                     data = torch.frombuffer(frames[i].buffer, dtype=torch.uint8).view(cache.dtype).view(n, *block_shape)
                     cache[layer, kv].index_copy_(0, dst[offsets[r] : offsets[r + 1]], data.to(cache.device))
                     i += 1
-        self.stats.bytes_received += block_bytes * header.num_blocks * 2 * num_layers
+        self.stats.bytes_received += sum(len(f.buffer) for f in frames)
         return None
 
     def _housekeeping(self, failed: list[Failed]) -> None:
@@ -202,23 +310,27 @@ class KVReceiver:
         for endpoint, peer in self.peers.items():
             if peer.state == "rejected":
                 for req_id in list(peer.pulls):
-                    if self.pulls.pop(req_id, None) is not None:
+                    pull = self.pulls.get(req_id)
+                    if pull is not None:
+                        self._end(pull)
                         self.stats.transfers_failed += 1
                         failed.append(Failed(req_id, f"prefill {endpoint} refused the handshake: {peer.reason}"))
                 peer.pulls.clear()
             elif peer.pulls and now - peer.last_keepalive > KEEPALIVE_S and peer.state == "ready":
-                self._send(peer, m.KeepAlive(sorted(peer.pulls)))
+                req_ids = sorted(peer.pulls)
+                tids = [self.pulls[r].transfer_id if r in self.pulls else "" for r in req_ids]
+                self._send(peer, m.KeepAlive(req_ids, tids))
                 peer.last_keepalive = now
             elif peer.pulls and now - peer.last_keepalive > KEEPALIVE_S and peer.state == "connecting":
                 # No HelloAck yet: the Hello may have reached a process that died before answering,
                 # and its successor at the same address would never hear from us. Say it again.
-                self._send(peer, m.Hello(self.compat_hash, self.description, self.name, self.key))
+                self._hello(peer)
                 peer.last_keepalive = now
-        for req_id in [r for r, p in self.pulls.items() if p.deadline < now]:
-            pull = self.pulls[req_id]
-            self.cancel(req_id, "reservation deadline passed")
+        for pull in [p for p in self.pulls.values() if p.deadline < now]:
+            self.cancel(pull.req_id, "reservation deadline passed")
             self.stats.transfers_failed += 1
-            failed.append(Failed(req_id, f"KV transfer from {pull.endpoint} timed out after {self.deadline_s:.0f} s"))
+            reason = f"KV transfer from {pull.endpoint} timed out after {self.deadline_s:.0f} s"
+            failed.append(Failed(pull.req_id, reason))
 
     def _send(self, peer: Peer, msg: m.Message) -> None:
         try:

@@ -3,22 +3,34 @@
 A finished prefill's blocks are *held* under a lease (this is the only record of them: the
 scheduler has forgotten the request). D's KeepAlive renews it, D's KVAck or
 Release frees the blocks, and an expired lease frees them too, so a dead D never leaks memory.
+
+Everything is keyed by the transfer's identity (request id, transfer id): a retry of the same
+request is another transfer, and a message for one never touches the other. A transfer that
+ended here (lease expired, aborted, replaced by a newer attempt) is remembered for a while, so a
+decode instance that asks for it later gets a KVError at once instead of waiting out its deadline.
 """
 from __future__ import annotations
 
 import hmac
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import xxhash
 import zmq
 
+from engine.config import ClusterKey, check_bind
 from kv_transfer import messages as m
 from kv_transfer.stats import TransferStats
 
 logger = logging.getLogger(__name__)
+
+Key = tuple[str, str]   # (req_id, transfer_id)
+ENDED_MEMORY = 4096     # ended transfers remembered to answer late pulls
+MAX_CONTROL_BYTES = 64 << 20  # the largest message D may send (a Hello with every tensor's fingerprint)
 
 
 @dataclass
@@ -28,6 +40,7 @@ class HeldKV:
     num_tokens: int
     t0: int
     deadline: float
+    transfer_id: str = ""
     requester: bytes | None = None   # D's identity once it asked
     sent: bool = False
 
@@ -49,13 +62,30 @@ def consecutive_runs(block_ids: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def frames_checksum(frames: list) -> int:
+    """xxh3_64 over the frames' bytes in order: the same on both sides whatever the framing."""
+    h = xxhash.xxh3_64()
+    for f in frames:
+        h.update(f)
+    return h.intdigest()
+
+
 class KVSender:
     def __init__(self, ctx: zmq.Context, bind_addr: str, kv_cache: torch.Tensor, compat_hash: str,
                  description: str, name: str, release_blocks: Callable[[str, list[int]], None], lease_s: float = 30.0,
-                 key: str = "") -> None:
+                 key: str = "", checksum: bool = False, compare: Callable[[str], str] | None = None,
+                 cluster_key: ClusterKey | None = None) -> None:
+        """`compare(peer_description)` names what differs from a refused peer's layout (handshake.py);
+        with `cluster_key` the port is CURVE-only: decode instances must hold the cluster key."""
         self.socket = ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)  # D sends only small control messages
+        check_bind(bind_addr, cluster_key, "prefill KV port")
+        self.auth = None
+        if cluster_key is not None:
+            cluster_key.secure_server(self.socket)
+            self.auth = cluster_key.authenticator(ctx)
         self.socket.bind(bind_addr)
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.kv_cache = kv_cache
@@ -63,40 +93,56 @@ class KVSender:
         self.release_blocks = release_blocks
         self.lease_s = lease_s
         self.key = key
+        self.checksum = checksum
+        self.compare = compare
         self.peers: set[bytes] = set()   # authenticated D identities
-        self.held: dict[str, HeldKV] = {}
-        self.pulls: dict[str, PendingPull] = {}  # pulls that arrived before the prefill finished
+        self.held: dict[Key, HeldKV] = {}
+        self.pulls: dict[Key, PendingPull] = {}  # pulls that arrived before the prefill finished
+        self.ended: OrderedDict[Key, str] = OrderedDict()  # why a transfer ended, for late pulls
         self.stats = TransferStats()
 
     # -- engine-facing -------------------------------------------------------------------
 
-    def hold(self, req_id: str, block_ids: list[int], num_tokens: int, t0: int) -> None:
+    def hold(self, req_id: str, block_ids: list[int], num_tokens: int, t0: int, transfer_id: str = "") -> None:
         """A prefill finished: keep its blocks until D takes them (or the lease runs out)."""
-        held = HeldKV(req_id, block_ids, num_tokens, t0, time.monotonic() + self.lease_s)
-        self.held[req_id] = held
-        pull = self.pulls.pop(req_id, None)
+        # Older held attempts go; pending pulls stay: one for another attempt may be a newer retry
+        # whose Submit this P has not read yet (it comes over the front end's link, the pull over ours).
+        self.supersede(req_id, transfer_id, pulls=False)
+        key = (req_id, transfer_id)
+        held = HeldKV(req_id, block_ids, num_tokens, t0, time.monotonic() + self.lease_s, transfer_id)
+        self.held[key] = held
+        pull = self.pulls.pop(key, None)
         if pull is not None:
             held.requester = pull.requester
             self._send(held)
 
-    def drop(self, req_id: str, reason: str) -> None:
-        """Abort from the server: tell D (if it asked) and free."""
-        held = self.held.pop(req_id, None)
-        pull = self.pulls.pop(req_id, None)
-        requester = held.requester if held else (pull.requester if pull else None)
-        if requester is not None:
-            self._send_msg(requester, m.KVError(req_id, reason))
-        if held is not None:
-            self.release_blocks(req_id, held.block_ids)
+    def supersede(self, req_id: str, transfer_id: str, pulls: bool = True) -> None:
+        """A new attempt `transfer_id` of `req_id` is ours now (its Submit arrived): release any older
+        one at once — its blocks, and D's pending pull for it, which this P will never serve."""
+        keys = [*self.held, *self.pulls] if pulls else list(self.held)
+        for key in [k for k in keys if k[0] == req_id and k[1] != transfer_id]:
+            self._end(key, f"superseded by a newer attempt of request {req_id}")
+
+    def drop(self, req_id: str, reason: str, transfer_id: str | None = None) -> None:
+        """Abort from the server (of one attempt, or of every attempt when transfer_id is None):
+        tell D (if it asked) and free."""
+        keys = {k for k in (*self.held, *self.pulls) if k[0] == req_id and transfer_id in (None, k[1])}
+        for key in keys:
+            self._end(key, reason)
 
     def poll(self) -> None:
-        """Handle every message waiting on the KV port, then expire leases."""
+        """Handle every message waiting on the KV port, then expire leases. Nothing a peer sends
+        may end the engine loop: a message that breaks a handler is dropped and counted."""
         while True:
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self._handle(frames)
+            try:
+                self._handle(frames)
+            except Exception:
+                self.stats.dropped_frames += 1
+                logger.exception("dropping a KV-port message that broke its handler")
         self._expire()
 
     # -- protocol ------------------------------------------------------------------------
@@ -122,32 +168,45 @@ class KVSender:
             self._send_msg(identity, m.HandshakeRequired(f"prefill {self.name} does not know this connection: "
                                                          "say Hello again"))
             return
-        now = time.monotonic()
         if isinstance(msg, m.PullKV):
-            held = self.held.get(msg.req_id)
-            if held is None:
-                self.pulls[msg.req_id] = PendingPull(identity, now + self.lease_s)
-            else:
-                # A pull from a new connection (D re-handshaked after a reconnect): the first copy went
-                # to a connection that no longer exists, so send again. D ignores a duplicate.
-                resend = held.sent and held.requester != identity
-                held.requester = identity
-                held.deadline = now + self.lease_s
-                if not held.sent or resend:
-                    self._send(held)
+            self._on_pull(identity, (msg.req_id, msg.transfer_id))
         elif isinstance(msg, m.KVAck):
-            self._release(msg.req_id)
+            self._release((msg.req_id, msg.transfer_id))
         elif isinstance(msg, m.Release):
-            self.pulls.pop(msg.req_id, None)
-            self._release(msg.req_id)
+            self.pulls.pop((msg.req_id, msg.transfer_id), None)
+            self._release((msg.req_id, msg.transfer_id))
         elif isinstance(msg, m.KeepAlive):
-            for req_id in msg.req_ids:
-                if req_id in self.held:
-                    self.held[req_id].deadline = now + self.lease_s
-                elif req_id in self.pulls:
-                    self.pulls[req_id].deadline = now + self.lease_s
+            self._on_keepalive(identity, msg)
         else:
             self.stats.dropped_frames += 1
+
+    def _on_pull(self, identity: bytes, key: Key) -> None:
+        now = time.monotonic()
+        held = self.held.get(key)
+        if held is None:
+            if key in self.ended:  # it ended here already: say so now, not at D's deadline
+                self._send_msg(identity, m.KVError(key[0], self.ended[key], key[1]))
+            else:
+                self.pulls[key] = PendingPull(identity, now + self.lease_s)
+            return
+        # A pull from a new connection (D re-handshaked after a reconnect): the first copy went
+        # to a connection that no longer exists, so send again. D ignores a duplicate.
+        resend = held.sent and held.requester != identity
+        held.requester = identity
+        held.deadline = now + self.lease_s
+        if not held.sent or resend:
+            self._send(held)
+
+    def _on_keepalive(self, identity: bytes, msg: m.KeepAlive) -> None:
+        now = time.monotonic()
+        tids = msg.transfer_ids if len(msg.transfer_ids) == len(msg.req_ids) else [""] * len(msg.req_ids)
+        for key in zip(msg.req_ids, tids):
+            if key in self.held:
+                self.held[key].deadline = now + self.lease_s
+            elif key in self.pulls:
+                self.pulls[key].deadline = now + self.lease_s
+            elif key in self.ended:  # D missed our KVError (or it was sent before D asked)
+                self._send_msg(identity, m.KVError(key[0], self.ended[key], key[1]))
 
     def _handshake(self, identity: bytes, hello: m.Hello) -> None:
         if self.key and not hmac.compare_digest(hello.key.encode(), self.key.encode()):
@@ -156,8 +215,9 @@ class KVSender:
             return
         if hello.compat_hash != self.compat_hash:
             self.stats.handshakes_rejected += 1
-            reason = (f"incompatible KV layout: prefill {self.name} has {self.description}, "
-                      f"decode {hello.peer} has {hello.description}")
+            diff = self.compare(hello.description) if self.compare else ""
+            reason = (f"incompatible KV layout: prefill {self.name} and decode {hello.peer} differ in "
+                      f"{diff or 'their layout'}")
             logger.error("refusing decode peer %s: %s", hello.peer, reason)
             self._send_msg(identity, m.HelloReject(reason))
             return
@@ -180,16 +240,30 @@ class KVSender:
                         part = part.cpu()
                     frames.append(memoryview(part.view(torch.uint8).numpy()).cast("B"))
         header = m.KVHeader(held.req_id, held.num_tokens, num_blocks, held.t0, [n for _, n in runs],
-                            list(cache.shape[3:]), str(cache.dtype).removeprefix("torch."))
+                            list(cache.shape[3:]), str(cache.dtype).removeprefix("torch."), held.transfer_id,
+                            self.name, frames_checksum(frames) if self.checksum else None)
         self.socket.send_multipart([held.requester, m.encode(header), *frames], copy=False)
         held.sent = True
         self.stats.transfers_sent += 1
         self.stats.bytes_sent += sum(f.nbytes for f in frames)
 
-    def _release(self, req_id: str) -> None:
-        held = self.held.pop(req_id, None)
+    def _release(self, key: Key) -> None:
+        held = self.held.pop(key, None)
         if held is not None:
-            self.release_blocks(req_id, held.block_ids)
+            self.release_blocks(held.req_id, held.block_ids)
+
+    def _end(self, key: Key, reason: str) -> None:
+        """The transfer cannot be served any more: free its blocks, tell D if it asked, remember why."""
+        held = self.held.pop(key, None)
+        pull = self.pulls.pop(key, None)
+        requester = held.requester if held else (pull.requester if pull else None)
+        if requester is not None:
+            self._send_msg(requester, m.KVError(key[0], reason, key[1]))
+        if held is not None:
+            self.release_blocks(key[0], held.block_ids)
+        self.ended[key] = reason
+        while len(self.ended) > ENDED_MEMORY:
+            self.ended.popitem(last=False)
 
     def _send_msg(self, identity: bytes, msg: m.Message) -> None:
         try:
@@ -199,14 +273,15 @@ class KVSender:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for req_id in [r for r, h in self.held.items() if h.deadline < now]:
-            held = self.held.pop(req_id)
+        for key in [k for k, h in self.held.items() if h.deadline < now]:
             self.stats.leases_expired += 1
-            logger.warning("KV lease of %s expired (decode peer silent): freeing %d blocks", req_id,
-                           len(held.block_ids))
-            self.release_blocks(req_id, held.block_ids)
-        for req_id in [r for r, p in self.pulls.items() if p.deadline < now]:
-            del self.pulls[req_id]
+            logger.warning("KV lease of %s expired (decode peer silent): freeing %d blocks", key[0],
+                           len(self.held[key].block_ids))
+            self._end(key, f"the KV lease on prefill {self.name} expired after {self.lease_s:g} s")
+        for key in [k for k, p in self.pulls.items() if p.deadline < now]:
+            self._end(key, f"prefill {self.name} never had the KV within {self.lease_s:g} s")
 
     def close(self) -> None:
         self.socket.close(0)
+        if self.auth is not None:
+            self.auth.stop()

@@ -11,8 +11,12 @@ class TransferStats:
     transfers_sent: int = 0
     transfers_received: int = 0
     transfers_failed: int = 0
+    transfers_invalid: int = 0       # D: the expected transfer's header or frames failed validation
+    checksum_mismatches: int = 0     # D: ... because the payload's checksum did not match
     leases_expired: int = 0
+    reservations_expired: int = 0    # D: no blocks for the prompt within the reservation deadline
     dropped_frames: int = 0          # malformed or unauthenticated
+    dropped_unexpected: int = 0      # well-formed, for a transfer not expected (old attempt, other P, unknown)
     handshakes_rejected: int = 0
     latency_seconds_sum: float = 0.0  # D: pull request -> KV in place
     latency_seconds_count: int = 0

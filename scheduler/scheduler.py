@@ -65,6 +65,7 @@ class RequestUpdate:
     queue_time: float | None = None    # set on the first update: arrival -> first scheduled
     error: str | None = None
     retryable: bool = False            # an error a fresh prefill may fix (the KV transfer failed)
+    transfer_id: str = ""              # PD: the attempt the request belongs to (Request.kv_transfer_id)
 
 
 class Scheduler:
@@ -88,6 +89,14 @@ class Scheduler:
     # -- queue management ------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError for a decode reservation that could never fit, even in
+        an empty cache: it would block every reservation behind it for good."""
+        if request.kv_source:
+            need = self.blocks.blocks_needed(request.prompt_len + 1 + self.num_lookahead_tokens)
+            if need > self.blocks.num_blocks:
+                raise ValueError(f"prompt: {request.prompt_len} tokens need {need} KV blocks on this decode "
+                                 f"instance (with t0 and {self.num_lookahead_tokens} lookahead slots); it has "
+                                 f"{self.blocks.num_blocks} in all")
         self.requests[request.req_id] = request
         self.waiting.append(request)
 
@@ -118,11 +127,12 @@ class Scheduler:
         self.waiting.remove(request)
         self.waiting.appendleft(request)
 
-    def kv_failed(self, req_id: str, reason: str) -> RequestUpdate:
+    def kv_failed(self, req_id: str, reason: str, retryable: bool = True) -> RequestUpdate:
         request = self.requests.pop(req_id, None)
         if request is not None and not request.is_finished:
             self._finish(request, FinishReason.ERROR)
-        return RequestUpdate(req_id, [], [], FinishReason.ERROR, error=reason, retryable=True)
+        return RequestUpdate(req_id, [], [], FinishReason.ERROR, error=reason, retryable=retryable,
+                             transfer_id=request.kv_transfer_id if request is not None else "")
 
     def _reserve_remote_kv(self) -> None:
         """Reserve blocks for the prompt + t0 (+ lookahead) of requests whose KV comes from a
@@ -258,7 +268,8 @@ class Scheduler:
         if first == 0 and request.first_scheduled_time is not None:
             queue_time = request.first_scheduled_time - request.arrival_time
         reason = None if finish == FinishReason.HANDED_OFF else finish
-        return RequestUpdate(request.req_id, new_tokens, logprobs[: len(new_tokens)], reason, first, queue_time)
+        return RequestUpdate(request.req_id, new_tokens, logprobs[: len(new_tokens)], reason, first, queue_time,
+                             transfer_id=request.kv_transfer_id)
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free_request(request)

@@ -51,7 +51,7 @@ def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | N
     which new ones get 429. `manage_client`: start the client on startup (always, idempotently
     for LocalEngineClient) and stop it on shutdown (only when True).
     """
-    metrics = ServerMetrics(client.instances)
+    metrics = ServerMetrics(client.instances, getattr(client, "counters", None))
     serving = Serving(client, tokenizer, model_name, metrics, max_queue)
 
     @asynccontextmanager

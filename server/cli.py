@@ -6,6 +6,7 @@
                        (engines connect to the front end's --bind-addr and are found by their heartbeats)
     pdserve generate   offline generation (no server)
     pdserve bench      load-test an OpenAI-compatible endpoint (vLLM `bench serve` definitions)
+    pdserve keygen     write a cluster key (CURVE) file: give it to every process as PDSERVE_CLUSTER_KEY_FILE
 
 Every flag can also be set by environment variable: --max-num-seqs is PDSERVE_MAX_NUM_SEQS.
 """
@@ -54,6 +55,12 @@ def _env(flag: str) -> str:
 def add_flag(p: argparse.ArgumentParser, flag: str, typ, default, help_: str) -> None:
     env = os.environ.get(_env(flag))
     p.add_argument(flag, type=typ, default=typ(env) if env is not None else default, help=f"{help_} [{_env(flag)}]")
+
+
+def add_switch(p: argparse.ArgumentParser, flag: str, help_: str) -> None:
+    """An on/off flag, also on when its environment variable is 1/true/yes."""
+    env = os.environ.get(_env(flag), "").lower() in ("1", "true", "yes")
+    p.add_argument(flag, action="store_true", default=env, help=f"{help_} [{_env(flag)}=1]")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -113,7 +120,8 @@ def cmd_engine(args: argparse.Namespace) -> None:
     run_engine_process(args.command, engine_config(args, args.command), name, args.server_addr,
                        on_engine=health.attach if health else None,
                        kv_addr=args.kv_addr, kv_advertise=args.kv_advertise, kv_key=args.kv_key,
-                       kv_lease_s=args.kv_lease_s, kv_deadline_s=args.kv_deadline_s)
+                       kv_lease_s=args.kv_lease_s, kv_deadline_s=args.kv_deadline_s,
+                       kv_reserve_deadline_s=args.kv_reserve_deadline_s, kv_checksum=args.kv_checksum)
 
 
 def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str) -> None:
@@ -174,6 +182,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 argv += ["--kv-addr", f"ipc://{run_dir}/{name}-kv"]
             if args.kv_key:
                 argv += ["--kv-key", args.kv_key]
+            if args.kv_checksum:
+                argv += ["--kv-checksum"]
             children.append(subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], env=env))
             if args.cpu_affinity == "pin":
                 os.sched_setaffinity(children[-1].pid, engine_cpus(len(children) - 1, threads, cores))
@@ -224,6 +234,25 @@ def cmd_bench(args: argparse.Namespace) -> None:
         sys.exit(1)  # scripts and CI notice failed requests without parsing the report
 
 
+def cmd_keygen(args: argparse.Namespace) -> None:
+    """A new cluster key, readable by its owner only. Every process of one deployment (front end,
+    prefill, decode) gets the same file as PDSERVE_CLUSTER_KEY_FILE (a mounted secret)."""
+    from engine.config import ClusterKey
+
+    key = ClusterKey.generate()
+    path = Path(args.path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key.secret.decode() + "\n")
+    print(f"pdserve: wrote the cluster key to {path}; set PDSERVE_CLUSTER_KEY_FILE={path} for every process")
+
+
+def add_keygen(sub) -> None:
+    keygen = sub.add_parser("keygen", help="write a new cluster key file (CURVE) for PDSERVE_CLUSTER_KEY_FILE")
+    keygen.add_argument("path")
+    keygen.set_defaults(func=cmd_keygen)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -243,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(serve, "--num-prefill", int, 1, "prefill engine processes")
     add_flag(serve, "--num-decode", int, 1, "decode engine processes")
     add_flag(serve, "--kv-key", str, "", "shared key required on the KV port")
+    add_switch(serve, "--kv-checksum", "checksum every KV payload (xxh3), verified before admission")
     add_flag(serve, "--cpu-affinity", str, "none", "pin | none: pin each engine process to its own cores")
     add_flag(serve, "--prefill-threads", int, None, "torch threads of each prefill engine (default: --num-threads)")
     serve.set_defaults(func=cmd_serve)
@@ -257,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_flag(p, "--kv-key", str, "", "shared key required on the KV port")
         add_flag(p, "--kv-lease-s", float, 30.0, "prefill: free held KV blocks after this long without the decode side")
         add_flag(p, "--kv-deadline-s", float, 60.0, "decode: give up a KV transfer after this long")
+        add_flag(p, "--kv-reserve-deadline-s", float, 20.0,
+                 "decode: fail a request (retryable) that got no KV blocks within this long")
+        add_switch(p, "--kv-checksum", "prefill: checksum every KV payload (xxh3); decode verifies any it gets")
         add_flag(p, "--health-port", int, None, "serve GET /health on this port (0.0.0.0) for probes; off by default")
         p.set_defaults(func=cmd_engine)
 
@@ -271,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Flags read PDSERVE_BENCH_<FLAG> from the environment.", add_help=False)
     bench.set_defaults(func=cmd_bench)  # its flags are benchmarks/bench_serving.py's: see parse_args
 
+    add_keygen(sub)
     gen = sub.add_parser("generate", help="offline generation, no server")
     add_engine_flags(gen)
     gen.add_argument("--prompt", action="append")

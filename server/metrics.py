@@ -39,8 +39,10 @@ def metric_name(key: str) -> str:
 class _InstanceCollector:
     """Per-instance gauges and engine counters, read from the client when scraped."""
 
-    def __init__(self, instances: Callable[[], list[InstanceInfo]]) -> None:
+    def __init__(self, instances: Callable[[], list[InstanceInfo]],
+                 counters: Callable[[], dict[str, float]] | None = None) -> None:
         self._instances = instances
+        self._counters = counters
 
     def describe(self):
         return []  # dynamic: do not let the registry call collect() at registration time
@@ -66,6 +68,10 @@ class _InstanceCollector:
                 family.add_metric([info.name, info.role], float(value(info)))
             yield family
         yield from _engine_counters(infos)
+        for key, val in (self._counters() if self._counters else {}).items():  # the front end's own
+            family = CounterMetricFamily(metric_name(key), f"Front end counter {key}.")
+            family.add_metric([], float(val))
+            yield family
 
 
 # Indexed counters are labelled `position` (the draft position) unless named here.
@@ -93,7 +99,8 @@ def _engine_counters(infos: list[InstanceInfo]) -> list[CounterMetricFamily]:
 
 
 class ServerMetrics:
-    def __init__(self, instances: Callable[[], list[InstanceInfo]]) -> None:
+    def __init__(self, instances: Callable[[], list[InstanceInfo]],
+                 counters: Callable[[], dict[str, float]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token.",
@@ -113,7 +120,7 @@ class ServerMetrics:
                                      ["status"], registry=r)
         for reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):
             self.request_success.labels(finished_reason=reason)
-        r.register(_InstanceCollector(instances))
+        r.register(_InstanceCollector(instances, counters))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from engine import messages as msg
+from engine.config import ClusterKey, check_bind
 from engine.types import EngineRole, FinishReason, SamplingParams, ServeMode
 from engine.validation import check_prompt
 from server.protocol import EngineUnavailableError, GenerationChunk, InstanceInfo
@@ -49,21 +51,27 @@ class Tracked:
     got_first: bool = False       # t0 reached the client: a retry would repeat it, so no more retries
     decode_started: bool = False  # D produced output: P's part is over
     attempts: int = 0
+    transfer_id: str = ""         # this attempt's KV transfer, on P and D alike (new on every retry)
     next_index: int = 0           # outputs delivered so far
     early: dict[int, msg.Output] = field(default_factory=dict)  # arrived ahead of their turn
 
 
 class RemoteEngineClient:
     def __init__(self, bind_addr: str, mode: ServeMode, max_model_len: int, vocab_size: int, eos_token_ids: list[int],
-                 dead_after_s: float = 3.0, max_retries: int = 1) -> None:
+                 dead_after_s: float = 3.0, max_retries: int = 1, cluster_key: ClusterKey | None = None) -> None:
+        """`cluster_key` (default: from PDSERVE_CLUSTER_KEY[_FILE]) makes the engine socket CURVE-only."""
         self.bind_addr = bind_addr
+        self.cluster_key = cluster_key or ClusterKey.from_env()
+        self.refused_connections = 0  # handshakes refused on the engine socket (no or wrong cluster key)
         self.mode = ServeMode(mode)
         self.max_model_len, self.vocab_size, self.eos_token_ids = max_model_len, vocab_size, eos_token_ids
         self.dead_after_s = dead_after_s
         self.max_retries = max_retries
         self.table: dict[str, Instance] = {}
         self.tracked: dict[str, Tracked] = {}
-        self._rr = itertools.count()
+        # One round-robin counter per role: a shared one advances once for P and once for D per request,
+        # so with 2 P and 1 D every prefill would land on the same P.
+        self._rr = {role: itertools.count() for role in EngineRole}
         self._tasks: list[asyncio.Task] = []
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -74,14 +82,50 @@ class RemoteEngineClient:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted engine takes its name back
         self.router.setsockopt(zmq.SNDHWM, 100000)
+        check_bind(self.bind_addr, self.cluster_key, "front end")
+        self._tasks = []
+        self._auth = None
+        if self.cluster_key is not None:
+            self.cluster_key.secure_server(self.router)
+            self._auth = self.cluster_key.authenticator(self.ctx)
+            monitor = self.router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            self._tasks.append(asyncio.create_task(self._count_refusals(monitor)))
+        else:
+            logger.warning("no cluster key (PDSERVE_CLUSTER_KEY_FILE): the engine socket %s takes any process "
+                           "that connects, so it may only listen on loopback or ipc", self.bind_addr)
         self.router.bind(self.bind_addr)
-        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_instances())]
+        self._tasks += [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_instances())]
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        # Let the cancelled tasks finish (the monitor task closes its socket): term() waits for every socket.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.cluster_key is not None:
+            self.router.disable_monitor()
+        if self._auth is not None:
+            self._auth.stop()
         self.router.close(0)
         self.ctx.term()
+
+    def counters(self) -> dict[str, float]:
+        """The front end's own counters, for /metrics."""
+        return {"engine_connections_refused": float(self.refused_connections)}
+
+    async def _count_refusals(self, monitor: zmq.asyncio.Socket) -> None:
+        """Every failed CURVE handshake on the engine socket: a process without the cluster key."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                self.refused_connections += 1
+                logger.warning("refused a connection to the engine socket (%s): no valid cluster key",
+                               event.get("endpoint", b"").decode(errors="replace"))
+        finally:
+            monitor.close(0)
 
     # -- EngineClient --------------------------------------------------------------------
 
@@ -111,7 +155,7 @@ class RemoteEngineClient:
         if tracked is None:
             return
         for name in {tracked.prefill, tracked.decode} - {None}:
-            self._send(name, msg.Abort(request_id))
+            self._send(name, msg.Abort(request_id, tracked.transfer_id))
         self._forget(tracked)
 
     def is_ready(self) -> bool:
@@ -141,7 +185,7 @@ class RemoteEngineClient:
                 if i.role == role and i.alive(now, self.dead_after_s) and i.name != exclude]
         if not live:
             return None
-        start = next(self._rr) % len(live)
+        start = next(self._rr[role]) % len(live)
         rotated = live[start:] + live[:start]
         return min(rotated, key=lambda i: len(i.outstanding))
 
@@ -160,16 +204,19 @@ class RemoteEngineClient:
         if p is None or d is None:
             raise EngineUnavailableError(f"no {'prefill' if p is None else 'decode'} instance is ready")
         tracked.prefill, tracked.decode = p.name, d.name
+        tracked.transfer_id = uuid.uuid4().hex[:16]
         p.outstanding.add(tracked.req_id)
         d.outstanding.add(tracked.req_id)
-        # Both at once under one id: D reserves while P prefills (DESIGN.md §1).
-        self._send(d.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params, p.heartbeat.kv_endpoint))
-        self._send(p.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params))
+        # Both at once under one id: D reserves while P prefills (DESIGN.md §1). The transfer id tells
+        # this attempt's KV from an older attempt's on both sides.
+        tid = tracked.transfer_id
+        self._send(d.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params, p.heartbeat.kv_endpoint, tid))
+        self._send(p.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params, transfer_id=tid))
 
     def _retry_or_fail(self, tracked: Tracked, reason: str) -> None:
         """A fresh prefill on another P if allowed, else a clear error to the client."""
         for name in {tracked.prefill, tracked.decode} - {None}:
-            self._send(name, msg.Abort(tracked.req_id))
+            self._send(name, msg.Abort(tracked.req_id, tracked.transfer_id))
             self.table[name].outstanding.discard(tracked.req_id)
         if self.mode == ServeMode.PD and not tracked.got_first and tracked.attempts < self.max_retries:
             tracked.attempts += 1
@@ -223,6 +270,8 @@ class RemoteEngineClient:
         tracked = self.tracked.get(out.req_id)
         if tracked is None or out.instance not in (tracked.prefill, tracked.decode):
             return  # a late message from an aborted attempt
+        if out.transfer_id and out.transfer_id != tracked.transfer_id:
+            return  # from an older attempt on the same instance
         if out.finish_reason == FinishReason.ERROR and out.retryable:
             self._retry_or_fail(tracked, out.error or "KV transfer failed")
             return
@@ -242,7 +291,10 @@ class RemoteEngineClient:
             self.table[tracked.prefill].outstanding.discard(tracked.req_id)
         if out.finish_reason and self.mode == ServeMode.PD and out.instance == tracked.prefill:
             # Finished on P already (t0 was a stop, or an error): the D reservation is not needed.
-            self._send(tracked.decode, msg.Abort(tracked.req_id))
+            self._send(tracked.decode, msg.Abort(tracked.req_id, tracked.transfer_id))
+        elif out.finish_reason == FinishReason.ERROR and self.mode == ServeMode.PD and out.instance == tracked.decode:
+            # D failed it for good (no retry): P may still hold the KV for it; free it now, not at lease end.
+            self._send(tracked.prefill, msg.Abort(tracked.req_id, tracked.transfer_id))
         tracked.queue.put_nowait(GenerationChunk(list(out.token_ids), list(out.logprobs), out.finish_reason, out.error,
                                                  queue_time=out.queue_time))
 

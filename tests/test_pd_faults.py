@@ -195,7 +195,7 @@ def test_truncated_kv_payload_fails_clearly_and_frees(checkpoints, tmp_path):
                 fake_p.send_multipart([ident, m.encode(m.HelloAck("prefill-0"))])
             elif isinstance(msg, m.PullKV):
                 shape = list(decode.core.runner.kv_cache.shape[3:])
-                header = m.KVHeader(msg.req_id, 5, 1, 7, [1], shape, "float32")
+                header = m.KVHeader(msg.req_id, 5, 1, 7, [1], shape, "float32", msg.transfer_id, "prefill-0")
                 fake_p.send_multipart([ident, m.encode(header), *[b"\x00" * 10] * 4])
 
     import threading
