@@ -21,6 +21,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def served(args: argparse.Namespace) -> dict[str, float]:
     port = free_port()
     env = dict(os.environ, PDSERVE_LOG_LEVEL="WARNING")
     env.pop("PDSERVE_DEBUG_INVARIANTS", None)
-    log = open(Path(args.out).with_suffix(".server.log"), "w")
+    log = tempfile.NamedTemporaryFile("w", prefix="pdserve-overhead-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--mode", args.mode,
                              "--speculative-method", "none", *args.serve_args], cwd=REPO, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
