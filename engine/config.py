@@ -137,8 +137,8 @@ class EngineConfig:
     # when the target runs in float32 on hardware with native bf16 math, else the target's dtype.
     draft_dtype: str = "auto"
     # Run the model eagerly instead of compiling its forward with torch.compile (worker/compilation.py).
-    # None: PDSERVE_ENFORCE_EAGER if set, else eager on CPU, where compiling was measured not to pay
-    # at the batch sizes a server runs (benchmarks/results/compile.txt), compiled on CUDA.
+    # None: PDSERVE_ENFORCE_EAGER if set, else eager on CPU, where compiling gained 0-10% (batch 32 to 1,
+    # benchmarks/results/compile.txt) for ~30 s more start-up per engine, and compiled on CUDA.
     enforce_eager: bool | None = None
     # How many drafts per step: "adaptive" (0..K from measured acceptance and step cost,
     # worker/spec_policy.py) or "fixed" (always K). Applies to MTP; n-gram is always fixed.
