@@ -661,21 +661,13 @@ def machine() -> str:
 
 
 def commit() -> str:
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10, check=False)
+        return run.stdout.strip()
+
     try:
-        rev = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        ).stdout.strip()
+        rev = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
         return rev + ("+uncommitted changes" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -180,8 +180,11 @@ class ModelRunner:
         drafts = [self.states.draft_tokens_np[s, :n].tolist() for s, n in zip(slots, k)]
         # Every verified position is sampled from the target with its own keyed noise; the drafts
         # that equal those samples are kept (rejection_sampler.accept_matching_prefix).
-        pos_slots = np.repeat(slots, k + 1)
-        out_index = np.concatenate([np.arange(n, n + j + 1) for n, j in zip(self._num_output(slots), k)])
+        # Row r owns positions [starts[r], starts[r] + 1 + k[r]) at output indices n_out[r] + 0..k[r].
+        width = k + 1
+        starts = np.cumsum(width) - width
+        pos_slots = np.repeat(slots, width)
+        out_index = np.repeat(self._num_output(slots) - starts, width) + np.arange(int(width.sum()))
         drafts_before = [d[:j] for d in drafts for j in range(len(d) + 1)]
         meta = self._position_metadata(pos_slots, out_index, drafts_before)
         targets = self.sampler(logits, meta).sampled_token_ids.tolist()  # the step's one sync
