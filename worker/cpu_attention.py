@@ -21,7 +21,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
-# -ffast-math lets GCC call glibc's vector exp (libmvec) in the softmax; the kernel relies on
+# -ffast-math lets GCC reassociate the dot products (it vectorises them); the kernel relies on
 # -inf for masked keys, so finite-math stays off.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
 
@@ -37,7 +37,7 @@ def available() -> bool:
     tag = hashlib.sha256(SOURCE.read_bytes() + str(SOURCE).encode() + str(CFLAGS).encode()).hexdigest()[:12]
     try:
         cpp_extension.load(name=f"pdserve_cpu_attention_{tag}", sources=[str(SOURCE)], is_python_module=False,
-                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp", "-lmvec"])
+                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, a broken toolchain: stay correct, just slower
         logger.warning("C++ paged attention unavailable (%s); using the torch reference", e)
         return False

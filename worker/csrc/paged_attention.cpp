@@ -75,7 +75,7 @@ void attend_row_head(const scalar_t* q, const scalar_t* k_cache, const scalar_t*
       if (rescale != 1.f)
         for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
       const int64_t n = jhi - jlo;
-      // One vector exp over the block (libmvec); masked keys come out as exactly 0.
+      // One exp pass over the block's scores; masked keys come out as exactly 0.
 #pragma omp simd
       for (int64_t t = 0; t < n; ++t) sr[t] = std::exp(sr[t] - new_max);
       float sum = denom[r] * rescale;
