@@ -76,6 +76,11 @@ class EngineCore:
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.config.max_model_len)
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
+        if params.grammar is not None:  # compiled (and cached) here, off the step: a bad one is refused
+            try:
+                self.runner.grammar.compiler.compile(params.grammar)
+            except ValueError as exc:
+                raise ValueError(f"sampling_params.grammar: {exc}") from None
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, req_id: str | None = None,
                     prefill_endpoint: str = "", transfer_id: str = "") -> str:

@@ -45,6 +45,22 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top: list[tuple[int, float]]
 
 
+class GrammarKind(enum.StrEnum):
+    """What `GrammarSpec.text` holds (worker/structured.py compiles each kind)."""
+
+    JSON_OBJECT = "json_object"  # any JSON object; `text` is unused
+    JSON_SCHEMA = "json_schema"  # a JSON schema, as JSON text
+    EBNF = "ebnf"                # an xgrammar EBNF grammar (tool calls: server/tool_calls.py)
+
+
+class GrammarSpec(msgspec.Struct, frozen=True):
+    """Structured output: every generated token must keep the output inside this grammar, and the
+    request may only end (EOS) where the grammar is complete. The text is the compile-cache key."""
+
+    kind: GrammarKind
+    text: str = ""
+
+
 class SamplingParams(msgspec.Struct, kw_only=True):
     """Per-request sampling parameters, validated on construction and on decoding (a bad field
     raises ValueError naming it)."""
@@ -62,6 +78,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    grammar: GrammarSpec | None = None  # structured output (response_format, tool_choice)
 
     def __post_init__(self) -> None:
         if self.top_k == -1:

@@ -27,6 +27,7 @@ from worker.rejection_sampler import accept_matching_prefix
 from worker.sampler import GREEDY_TEMPERATURE_EPS, Sampler, SamplingMetadata, mix_seed, position_generator
 from worker.spec_policy import SpecPolicy, SpecPolicyMode
 from worker.states import RequestStates
+from worker.structured import GrammarCompiler, GrammarStates
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class ModelRunner:
         self.states = RequestStates(config.max_num_seqs, max_len, -(-(max_len + lookahead) // self.block_size) + 1,
                                     self.num_spec, self.device, noise_seed=noise_seed)
         self.sampler = Sampler(seed=noise_seed, device=self.device)
+        self.grammar = GrammarStates(config.max_num_seqs,
+                                     GrammarCompiler(config.model, model_cfg.vocab_size, model_cfg.eos_token_ids))
         self.drafter: MTPDrafter | NgramDrafter | None = None
         if config.speculative_method == "mtp":
             self.drafter = MTPDrafter(self.model, self.states, self.kv_views, self.block_size, self.num_spec,
@@ -134,9 +137,12 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         st = self.states
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+            if req_id in st.req_id_to_slot:
+                self.grammar.release(st.req_id_to_slot[req_id])
             st.remove_request(req_id)
         for new in sched.new_requests:
             slot = st.add_request(new)
+            self.grammar.admit(slot, new.sampling_params.grammar, new.all_token_ids[new.prompt_len:])
             if self.check_invariants:
                 invariants.check_admission(st, slot)
         for cached in sched.cached_requests:
@@ -187,10 +193,13 @@ class ModelRunner:
         out_index = np.repeat(self._num_output(slots) - starts, width) + np.arange(int(width.sum()))
         drafts_before = [d[:j] for d in drafts for j in range(len(d) + 1)]
         meta = self._position_metadata(pos_slots, out_index, drafts_before)
+        if self.grammar.any_active(slots.tolist()):  # structured output: position j masked after drafts[:j]
+            meta.allowed_token_mask = self.grammar.position_masks(slots.tolist(), drafts)
         targets = self.sampler(logits, meta).sampled_token_ids.tolist()  # the step's one sync
         kept = accept_matching_prefix(targets, k.tolist(), drafts).accepted_token_ids
-        for row, toks in zip(rows.tolist(), kept):
+        for row, slot, toks in zip(rows.tolist(), slots.tolist(), kept):
             accepted[row] = toks
+            self.grammar.advance(slot, toks)
         return accepted, self._logprobs(logits, k, slots, rows, kept, len(batch.req_ids))
 
     def _write_back(self, batch: InputBatch, accepted: list[list[int]]) -> None:

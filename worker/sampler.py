@@ -98,6 +98,8 @@ class SamplingMetadata:
     no_top_k: bool | None = None
     no_top_p: bool | None = None
     no_min_p: bool | None = None
+    # [B, V] bool: tokens a grammar allows at each row (structured output); None = no grammar.
+    allowed_token_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.no_penalties is None:
@@ -206,6 +208,7 @@ class SamplingMetadata:
             no_top_k=self.no_top_k,
             no_top_p=self.no_top_p,
             no_min_p=self.no_min_p,
+            allowed_token_mask=None if self.allowed_token_mask is None else self.allowed_token_mask[idx],
         )
 
 
@@ -303,7 +306,8 @@ class Sampler:
     # ------------------------------------------------------------------ stages
 
     def apply_penalties_and_bans(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Repetition / frequency / presence penalties, then banned tokens set to -inf.
+        """Repetition / frequency / presence penalties, then banned tokens and tokens outside the
+        row's grammar set to -inf.
 
         Returns a new tensor; the caller's logits are left untouched (the runner may
         still need them, e.g. for raw logprobs).
@@ -315,6 +319,9 @@ class Sampler:
             rows_with_bans = [r for r, ids in enumerate(meta.banned_token_ids) if ids]
             flat = _flat_row_token_index(meta.banned_token_ids, rows_with_bans, vocab, logits.device)
             logits = logits.reshape(-1).index_fill(0, flat, float("-inf")).view(num_rows, vocab)
+        if meta.allowed_token_mask is not None:
+            allowed = meta.allowed_token_mask.to(logits.device, non_blocking=True)
+            logits = logits.masked_fill(~allowed, float("-inf"))
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
