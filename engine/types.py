@@ -50,7 +50,7 @@ class GrammarKind(enum.StrEnum):
 
     JSON_OBJECT = "json_object"  # any JSON object; `text` is unused
     JSON_SCHEMA = "json_schema"  # a JSON schema, as JSON text
-    EBNF = "ebnf"                # an xgrammar EBNF grammar (tool calls: server/tool_calls.py)
+    STRUCTURAL_TAG = "structural_tag"  # an xgrammar structural tag, as JSON text (tool calls: server/tool_calls.py)
 
 
 class GrammarSpec(msgspec.Struct, frozen=True):

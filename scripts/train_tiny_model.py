@@ -62,10 +62,39 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [EOT, IM_START, IM_END]
 
 # ChatML, as used by Qwen2: every message is `<|im_start|>{role}\n{content}<|im_end|>\n`;
-# `add_generation_prompt` opens an assistant turn.  No default system prompt.
+# `add_generation_prompt` opens an assistant turn.  No default system prompt.  With `tools`, a
+# system turn lists them (one JSON object per line inside <tools></tools>) and says how to call
+# one: the Hermes `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` format of Qwen2/Qwen3,
+# which the server parses back (server/tool_calls.py). Assistant turns with `tool_calls` render
+# those blocks; `tool` turns come back as `<tool_response>` in a user turn.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou can call the functions whose signatures are listed inside <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call one, write its name and arguments as a JSON object inside "
+    "<tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first and tools %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message['content'] %}{{- message['content'] + '\\n' }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] %}"
+    "{%- if not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"

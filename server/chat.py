@@ -22,46 +22,54 @@ from server.responses import (
 )
 from server.serving import Choice, Delta, Serving, check_logprobs_count, usage
 from server.streaming import stream_response
+from server.structured import response_format_grammar
+from server.tool_calls import ToolCallParser, ToolPlan, call_deltas, finish_reason_for, parse_message, plan_tools
 
 
 async def create_chat_completion(serving: Serving, request: Request, req: ChatCompletionRequest,
                                  release: Callable[[], None], arrival: float) -> Response:
-    request_id, ids, choices = _choices(serving, req, arrival)
+    request_id, ids, choices, tools = _choices(serving, req, arrival)
     streams = serving.submit(choices)
-    fmt = ChatFormat(serving, req, request_id, ids, choices)
+    fmt = ChatFormat(serving, req, request_id, ids, choices, tools)
     if req.stream:
         return await stream_response(request, serving, choices, streams, fmt, release)
     await serving.run_to_end(request, choices, streams, release)
     return JSONResponse(fmt.response(usage(choices)).body())
 
 
-def _choices(serving: Serving, req: ChatCompletionRequest, arrival: float) -> tuple[str, list[int], list[Choice]]:
+def _choices(serving: Serving, req: ChatCompletionRequest,
+             arrival: float) -> tuple[str, list[int], list[Choice], ToolPlan]:
     stops = serving.check_common(req)
-    if req.tools:
-        raise APIError(400, "tools: tool calling is not supported", param="tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise APIError(400, "tool_choice: tool calling is not supported", param="tool_choice")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, "response_format: only {\"type\": \"text\"} is supported", param="response_format")
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    grammar = response_format_grammar(req.response_format)
+    if tools.grammar is not None:
+        if grammar is not None:
+            raise APIError(400, "response_format: cannot be combined with tool_choice 'required' or a named "
+                                "function", param="response_format")
+        grammar = tools.grammar
     check_logprobs_count(req.top_logprobs, "top_logprobs")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    ids = serving.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message)
+    ids = serving.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                              tools.template_tools())
     serving.check_prompt(ids)
     request_id = serving.new_request_id("chatcmpl")
-    choices = [serving.new_choice(i, request_id, ids, serving.sampling_params(req, len(ids), max_tokens, logprobs, i),
+    choices = [serving.new_choice(i, request_id, ids,
+                                  serving.sampling_params(req, len(ids), max_tokens, logprobs, i, grammar),
                                   stops, req, arrival) for i in range(req.n)]
-    return request_id, ids, choices
+    return request_id, ids, choices, tools
 
 
 class ChatFormat:
     """chat.completion objects, or chat.completion.chunk ones for a stream."""
 
     def __init__(self, serving: Serving, req: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
-                 choices: list[Choice]) -> None:
+                 choices: list[Choice], tools: ToolPlan) -> None:
         self.serving, self.req, self.prompt_ids, self.choices = serving, req, prompt_ids, choices
+        self.tools = tools
+        self.tool_parsers = {c.index: ToolCallParser() for c in choices} if tools.parses else {}
         self.head = dict(id=request_id, created=int(time.time()), model=serving.model_name)
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -71,9 +79,14 @@ class ChatFormat:
     def response(self, usage: Usage) -> ChatCompletionResponse:
         out = []
         for c in self.choices:
-            choice = ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                                logprobs=self._logprobs(c.logprobs), finish_reason=c.finish_reason,
-                                stop_reason=c.stop_reason)
+            message, finish = AssistantMessage(content=c.text), c.finish_reason
+            if self.tools.parses:
+                parsed = parse_message(c.text, c.finish_reason)
+                message, finish = AssistantMessage(content=parsed.content), parsed.finish_reason
+                if parsed.tool_calls:
+                    message.tool_calls = parsed.tool_calls
+            choice = ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c.logprobs),
+                                finish_reason=finish, stop_reason=c.stop_reason)
             if self.req.return_token_ids:
                 choice.token_ids = c.token_ids
             out.append(choice)
@@ -96,15 +109,28 @@ class ChatFormat:
 
     def on_delta(self, c: Choice, delta: Delta) -> dict | None:
         wants_ids = self.req.logprobs or self.req.return_token_ids
-        if not (delta.text or delta.finish_reason or (delta.token_ids and wants_ids)):
+        chat_delta, finish = self._tool_delta(c, delta) if self.tools.parses else (
+            ChatDelta(content=delta.text) if delta.text else ChatDelta(), delta.finish_reason)
+        if not (chat_delta.content or chat_delta.tool_calls or finish or (delta.token_ids and wants_ids)):
             return None
-        choice = ChatChunkChoice(index=c.index, delta=ChatDelta(content=delta.text) if delta.text else ChatDelta(),
-                                 logprobs=self._logprobs(delta.logprobs), finish_reason=delta.finish_reason)
+        choice = ChatChunkChoice(index=c.index, delta=chat_delta, logprobs=self._logprobs(delta.logprobs),
+                                 finish_reason=finish)
         if delta.finish_reason is not None:
             choice.stop_reason = c.stop_reason
         if self.req.return_token_ids:
             choice.token_ids = delta.token_ids
         return self._chunk(choice)
+
+    def _tool_delta(self, c: Choice, delta: Delta) -> tuple[ChatDelta, str | None]:
+        """Content outside <tool_call> blocks as it comes; each call once its block closes."""
+        parser = self.tool_parsers[c.index]
+        content, calls = parser.push(delta.text)
+        if delta.finish_reason is not None:
+            content += parser.finish()
+        out = ChatDelta(content=content) if content else ChatDelta()
+        if calls:
+            out.tool_calls = call_deltas(len(parser.calls) - len(calls), calls)
+        return out, finish_reason_for(parser.calls, delta.finish_reason)
 
     def usage_chunk(self, usage: Usage) -> dict:
         return ChatCompletionChunk(**self.head, choices=[], usage=usage).body()

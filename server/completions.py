@@ -13,6 +13,7 @@ from server.openai_schemas import CompletionRequest
 from server.responses import CompletionChoice, CompletionResponse, Usage
 from server.serving import MAX_CHOICES, Choice, Delta, Serving, check_logprobs_count, usage
 from server.streaming import stream_response
+from server.structured import response_format_grammar
 
 
 async def create_completion(serving: Serving, request: Request, req: CompletionRequest,
@@ -34,6 +35,7 @@ def _choices(serving: Serving, req: CompletionRequest, arrival: float) -> tuple[
     check_logprobs_count(req.logprobs, "logprobs")
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo: echo together with logprobs (prompt logprobs) is not supported", param="echo")
+    grammar = response_format_grammar(req.response_format)
     prompts = _prompts(serving, req)
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(400, f"n: prompts x n must be at most {MAX_CHOICES}", param="n")
@@ -42,7 +44,7 @@ def _choices(serving: Serving, req: CompletionRequest, arrival: float) -> tuple[
     for p_idx, ids in enumerate(prompts):
         for j in range(req.n):
             idx = p_idx * req.n + j
-            params = serving.sampling_params(req, len(ids), req.max_tokens, req.logprobs, idx)
+            params = serving.sampling_params(req, len(ids), req.max_tokens, req.logprobs, idx, grammar)
             c = serving.new_choice(idx, request_id, ids, params, stops, req, arrival)
             if req.echo:
                 c.prompt_text = serving.decode(ids)

@@ -4,7 +4,7 @@ Policy on fields, made explicit:
 - Unknown fields are ignored (`extra="ignore"`): OpenAI SDKs and tools send fields this server
   has never heard of, and refusing them would break those clients.
 - Known OpenAI fields that would change the answer but are not implemented (`suffix`,
-  non-empty `logit_bias`, `tools`, non-text `response_format`, `best_of` != n, ...) are refused
+  non-empty `logit_bias`, `best_of` != n, ...) are refused
   with a 400 naming the field rather than silently ignored.
 - NaN and infinities are refused everywhere (`allow_inf_nan=False`); token ids must be JSON
   integers (no floats, strings or booleans).
@@ -68,8 +68,23 @@ class _SamplingFields(_Body):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    name: StrictStr
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow BaseModel.schema
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: StrictStr  # text | json_object | json_schema (server/structured.py)
+    json_schema: JsonSchemaFormat | None = None
+
+
 class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
+    response_format: ResponseFormat | None = None
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -85,10 +100,8 @@ class ChatMessage(_Body):
     role: StrictStr
     content: StrictStr | list[dict[str, Any]] | None = None
     name: str | None = None
-
-
-class ResponseFormat(_Body):
-    type: str
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None                 # a tool turn: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -97,8 +110,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked by server/tool_calls.py (errors name tools[i])
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     # vLLM extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from engine.types import FinishReason, SamplingParams, TokenLogprobs
+from engine.types import FinishReason, GrammarSpec, SamplingParams, TokenLogprobs
 from engine.validation import InputError, check_prompt, check_token_ids, resolve_max_tokens
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenTexts
 from server.errors import APIError, bad_request
@@ -204,7 +204,7 @@ class Serving:
             check_prompt(ids, self.client.vocab_size, self.client.max_model_len, param)
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    continue_final_message: bool) -> list[int]:
+                    continue_final_message: bool, tools: list[dict] | None = None) -> list[int]:
         self._need_tokenizer("chat", "messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
@@ -225,9 +225,12 @@ class Serving:
             msg = {"role": m.role, "content": content}
             if m.name is not None:
                 msg["name"] = m.name
+            for key in ("tool_calls", "tool_call_id"):  # tool turns, for templates that render them
+                if getattr(m, key) is not None:
+                    msg[key] = getattr(m, key)
             conversation.append(msg)
         try:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+            text = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message)
         except Exception as exc:  # template errors (bad roles, flag combinations) are input errors
@@ -239,7 +242,8 @@ class Serving:
     # -- sampling parameters -------------------------------------------------------------
 
     def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
-                        max_tokens: int | None, logprobs: int | None, choice_index: int) -> SamplingParams:
+                        max_tokens: int | None, logprobs: int | None, choice_index: int,
+                        grammar: GrammarSpec | None = None) -> SamplingParams:
         with input_errors():
             max_tokens = resolve_max_tokens(prompt_len, max_tokens, self.client.max_model_len)
         seed = None if req.seed is None else req.seed + choice_index
@@ -258,6 +262,7 @@ class Serving:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
                 presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+                grammar=grammar,
             )
         except (ValueError, TypeError) as exc:
             raise bad_request(exc) from None

@@ -46,8 +46,8 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
             return xgr.Grammar.from_json_schema('{"type": "object"}', **_JSON_OPTIONS)
         if spec.kind == GrammarKind.JSON_SCHEMA:
             return xgr.Grammar.from_json_schema(spec.text, **_JSON_OPTIONS)
-        return xgr.Grammar.from_ebnf(spec.text)
-    except RuntimeError as exc:  # xgrammar reports a bad schema/grammar as a RuntimeError from C++
+        return xgr.Grammar.from_structural_tag(spec.text)
+    except (RuntimeError, ValueError) as exc:  # xgrammar reports a bad schema/grammar as a RuntimeError from C++
         raise ValueError(f"cannot compile this {spec.kind}: {_short(exc)}") from None
 
 
