@@ -1,0 +1,52 @@
+"""`pdserve serve` on the bundled model in the configurations the structured-output and tool-call
+tests share: started once per session (all at once, so their start-ups overlap), stopped by PID."""
+from __future__ import annotations
+
+import re
+
+import openai
+import pytest
+from conftest import BUNDLED_MODEL
+from test_pd_http import Served
+
+# `make serve`'s defaults (PD, one prefill + one decode, MTP from the checkpoint, adaptive drafts),
+# and the other two modes the issue names.
+CONFIGS = {
+    "pd_mtp": [],
+    "pd": ["--speculative-method", "none"],
+    "colocated": ["--mode", "colocated", "--speculative-method", "none"],
+}
+MODEL = BUNDLED_MODEL.name
+
+
+class Servers:
+    def __init__(self) -> None:
+        self.served: dict[str, Served] = {}
+
+    def start(self) -> None:
+        for name, flags in CONFIGS.items():
+            self.served[name] = Served(str(BUNDLED_MODEL), "--max-num-seqs", "16", *flags)
+        for s in self.served.values():
+            s.wait_healthy(timeout=180)
+
+    def client(self, name: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.served[name].url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def metric_sum(self, name: str, metric: str) -> float:
+        """A counter summed over the instances of one server."""
+        text = self.served[name].metrics()
+        return sum(float(v) for v in re.findall(rf"^pdserve:{metric}{{[^}}]*}} (\S+)$", text, re.M))
+
+    def stop(self) -> None:
+        for s in self.served.values():
+            s.stop()
+
+
+@pytest.fixture(scope="session", name="servers")
+def servers_fixture():
+    group = Servers()
+    try:
+        group.start()
+        yield group
+    finally:
+        group.stop()
