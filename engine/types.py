@@ -106,6 +106,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("seed", self.seed is None or is_int(self.seed), "None or an integer"),
+            # A grammar ends the output at EOS once it is complete: neither may hold EOS back.
+            ("ignore_eos", not (self.ignore_eos and self.grammar is not None), "false with a grammar "
+             "(response_format / tool_choice)"),
+            ("min_tokens", self.min_tokens == 0 or self.grammar is None, "0 with a grammar "
+             "(response_format / tool_choice)"),
         ]
 
     @property

@@ -158,11 +158,15 @@ def offline_outputs():
     params = [SamplingParams(max_tokens=160, temperature=0.0 if i % 2 else 1.0, seed=i, grammar=_spec(SCHEMA))
               for i in range(len(prompts))]
     out = {}
+    # "preempt": too few KV blocks for 4 running requests, so some are preempted and resumed (their
+    # matchers rebuilt from the outputs they had).
     for name, extra in (("none", {}), ("ngram", {"speculative_method": "ngram"}),
-                        ("mtp", {"speculative_method": "mtp"})):
+                        ("mtp", {"speculative_method": "mtp"}),
+                        ("preempt", {"block_size": 4, "num_kv_blocks": 44, "max_model_len": 168})):
         llm = LLM(str(BUNDLED_MODEL), max_num_seqs=4, num_speculative_tokens=3, spec_policy="fixed", **extra)
         out[name] = llm.generate(prompts, params)
-        out[name + "_accepted"] = llm.engine.scheduler.spec_stats.num_accepted_tokens if extra else 0
+        out[name + "_accepted"] = llm.engine.scheduler.spec_stats.num_accepted_tokens
+        out[name + "_preemptions"] = llm.engine.scheduler.num_preemptions
         llm.shutdown()
     return out
 
@@ -170,12 +174,20 @@ def offline_outputs():
 def test_speculation_under_a_grammar_changes_nothing(offline_outputs):
     """Drafts are checked against the grammar and the matcher rolled back on rejection: the output
     is token for token the non-speculative one (greedy and seeded), and valid."""
-    for method in ("ngram", "mtp"):
+    for method in ("ngram", "mtp", "preempt"):
         for a, b in zip(offline_outputs["none"], offline_outputs[method]):
             assert a.token_ids == b.token_ids, method
             assert b.finish_reason == "stop"
             jsonschema.validate(json.loads(b.text), SCHEMA)
     assert offline_outputs["mtp_accepted"] > 0, "no MTP draft was accepted: the rollback path was not exercised"
+    assert offline_outputs["preempt_preemptions"] > 0, "nothing was preempted: resumption was not exercised"
+
+
+def test_grammar_refuses_what_would_hold_eos_back():
+    spec = _spec(SCHEMA)
+    for kwargs in (dict(ignore_eos=True), dict(min_tokens=3)):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            SamplingParams(grammar=spec, **kwargs)
 
 
 @pytest.fixture(scope="module")
