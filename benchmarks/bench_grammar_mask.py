@@ -4,9 +4,13 @@ For each engine, one JSON schema (and the free JSON-object grammar) is compiled 
 matcher walks a random path through the grammar: at every step it fills the next-token bitmask,
 the bitmask is applied to a logits row, a random allowed token is accepted. Reported: compile
 time, and the median / p99 time per token of fill, apply and accept, on the tokenizer's vocabulary
-(the bundled model's by default; --model takes any local HF checkpoint directory).
+(the bundled model's by default; --model takes any local HF checkpoint directory). llguidance is
+optional (`pip install llguidance`); without it only xgrammar is measured.
 
-    .venv/bin/python benchmarks/bench_grammar_mask.py [--model DIR] [--tokens 200]
+Then the engine's own path (worker/structured.py, what the runner pays per step): masks for a batch
+of B constrained rows (fill + unpack) and the sampler's masked_fill, for a few batch sizes.
+
+    .venv/bin/python benchmarks/bench_grammar_mask.py [--model DIR] [--tokens 300]
 """
 from __future__ import annotations
 
@@ -141,6 +145,31 @@ def walk(engine, schema: str | None, num_tokens: int, vocab: int, eos: int, seed
     return times
 
 
+def engine_path(model: str, vocab: int, eos: list[int], rounds: int = 200) -> None:
+    from engine.types import GrammarKind, GrammarSpec
+    from worker.sampler import Sampler, SamplingMetadata
+    from worker.structured import GrammarCompiler, GrammarStates
+
+    spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA))
+    sampler = Sampler(seed=0)
+    logger.info("%-8s %14s %14s", "batch", "masks us/step", "apply us/step")
+    for batch in (1, 8, 32):
+        states = GrammarStates(batch, GrammarCompiler(model, vocab, eos))
+        for slot in range(batch):
+            states.admit(slot, spec, [])
+        meta = SamplingMetadata.from_lists([0.0] * batch)
+        logits = torch.randn(batch, vocab)
+        fill, apply = [], []
+        for _ in range(rounds):
+            a = time.perf_counter()
+            meta.allowed_token_mask = states.position_masks(list(range(batch)), [[]] * batch)
+            b = time.perf_counter()
+            sampler.apply_penalties_and_bans(logits, meta)
+            fill.append(b - a)
+            apply.append(time.perf_counter() - b)
+        logger.info("%-8d %14.1f %14.1f", batch, us(fill, 0.5), us(apply, 0.5))
+
+
 def us(xs: list[float], q: float) -> float:
     return 1e6 * (statistics.median(xs) if q == 0.5 else sorted(xs)[min(len(xs) - 1, int(q * len(xs)))])
 
@@ -159,12 +188,18 @@ def main() -> None:
     logger.info("%-11s %-12s %10s %11s %11s %11s %11s", "engine", "grammar", "compile ms", "fill p50 us",
                 "fill p99 us", "apply p50", "accept p50")
     for cls in (XGrammar, LLGuidance):
-        engine = cls(tokenizer, vocab)
+        try:
+            engine = cls(tokenizer, vocab)
+        except ImportError:
+            logger.info("%-11s not installed: skipped", cls.name)
+            continue
         for label, schema in (("json_object", None), ("json_schema", json.dumps(SCHEMA))):
             first = walk(engine, schema, 20, vocab, eos, 1)  # cold: its compile time is the one reported
             t = walk(engine, schema, args.tokens, vocab, eos, 0)
             logger.info("%-11s %-12s %10.1f %11.1f %11.1f %11.1f %11.1f", engine.name, label, 1e3 * first["compile"][0],
                         us(t["fill"], 0.5), us(t["fill"], 0.99), us(t["apply"], 0.5), us(t["accept"], 0.5))
+    logger.info("engine path (xgrammar, json_schema, first position of each row), median of 200 steps:")
+    engine_path(args.model, vocab, [eos])
 
 
 if __name__ == "__main__":
