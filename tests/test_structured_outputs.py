@@ -165,6 +165,10 @@ def offline_outputs():
                         ("preempt", {"block_size": 4, "num_kv_blocks": 44, "max_model_len": 168})):
         llm = LLM(str(BUNDLED_MODEL), max_num_seqs=4, num_speculative_tokens=3, spec_policy="fixed", **extra)
         out[name] = llm.generate(prompts, params)
+        if name == "mtp":  # unconstrained requests batched with constrained ones, and alone
+            plain = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 2
+            out["mixed"] = llm.generate(prompts[:2] + ["def f(x):", "import os"], params[:2] + plain)[2:]
+            out["alone"] = llm.generate(["def f(x):", "import os"], plain)
         out[name + "_accepted"] = llm.engine.scheduler.spec_stats.num_accepted_tokens
         out[name + "_preemptions"] = llm.engine.scheduler.num_preemptions
         llm.shutdown()
@@ -181,6 +185,10 @@ def test_speculation_under_a_grammar_changes_nothing(offline_outputs):
             jsonschema.validate(json.loads(b.text), SCHEMA)
     assert offline_outputs["mtp_accepted"] > 0, "no MTP draft was accepted: the rollback path was not exercised"
     assert offline_outputs["preempt_preemptions"] > 0, "nothing was preempted: resumption was not exercised"
+
+
+def test_unconstrained_rows_are_untouched_by_a_grammar_batchmate(offline_outputs):
+    assert [o.token_ids for o in offline_outputs["mixed"]] == [o.token_ids for o in offline_outputs["alone"]]
 
 
 def test_grammar_refuses_what_would_hold_eos_back():
