@@ -135,3 +135,11 @@ def mtp_checkpoints(checkpoints, tmp_path_factory) -> dict[str, Path]:
         shutil.copytree(path, dst)
         out[arch] = add_mtp_layer(dst)
     return out
+
+
+@pytest.fixture(scope="session")
+def servers():
+    """`pdserve serve` on the bundled model, PD + MTP, PD and colocated (tests/structured_harness.py)."""
+    from structured_harness import start_servers
+
+    yield from start_servers()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 import openai
-import pytest
 from conftest import BUNDLED_MODEL
 from test_pd_http import Served
 
@@ -42,8 +41,9 @@ class Servers:
             s.stop()
 
 
-@pytest.fixture(scope="session", name="servers")
-def servers_fixture():
+def start_servers():
+    """Generator body of conftest's session fixture `servers` (one definition, so one start-up for
+    every module that uses it)."""
     group = Servers()
     try:
         group.start()

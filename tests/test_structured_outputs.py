@@ -17,7 +17,7 @@ import openai
 import pytest
 from conftest import BUNDLED_MODEL
 from pydantic import BaseModel, Field
-from structured_harness import MODEL, servers_fixture
+from structured_harness import MODEL
 
 from engine import LLM, SamplingParams
 from engine.types import GrammarKind, GrammarSpec
@@ -45,9 +45,6 @@ class Pet(BaseModel):
     age: int = Field(ge=0, le=30)
     vaccinated: bool
     toys: list[Literal["ball", "rope", "bone"]] = Field(max_length=3)
-
-
-servers = servers_fixture  # session-scoped: shared with test_tool_calls.py
 
 
 def _pool_map(fn, items, workers: int = 8) -> list:

@@ -14,11 +14,9 @@ import jsonschema
 import openai
 import pytest
 from conftest import BUNDLED_MODEL
-from structured_harness import MODEL, servers_fixture
+from structured_harness import MODEL
 
 from server.tool_calls import ToolCallParser, parse_message
-
-servers = servers_fixture  # session-scoped: shared with test_structured_outputs.py
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
