@@ -17,6 +17,7 @@ from worker.input_batch import InputBatch, StepLayout
 from worker.models.llama import CausalLM
 from worker.sampler import Sampler, SamplingMetadata
 from worker.states import RequestStates
+from worker.structured import DraftWalk, GrammarStates
 
 # (slots of the drafting rows, draft index j) -> settings of output position n_out + j of each
 # row, with that position's keyed generator; None when every row is greedy.
@@ -40,8 +41,9 @@ class MTPDrafter:
 
     def __init__(self, model: CausalLM, states: RequestStates, kv_views, block_size: int, num_tokens: int,
                  device: torch.device, sampler: Sampler, sliding_window: int | None = None,
-                 stash_positions: int = 256) -> None:
+                 stash_positions: int = 256, grammar: GrammarStates | None = None) -> None:
         self.model, self.states, self.kv_views = model, states, kv_views
+        self.grammar = grammar  # structured output: drafts follow each request's grammar
         self.block_size, self.k, self.device = block_size, num_tokens, device
         self.sampler, self.sliding_window = sampler, sliding_window
         self.stash_positions = stash_positions
@@ -138,7 +140,17 @@ class MTPDrafter:
         """k drafts per row: the layer applied recursively on its own hidden state, one position
         further each time. These KV writes land in lookahead slots that the next verify overwrites."""
         slots = batch.slots[rows]
-        token = self._pick(self.model.compute_draft_logits(h), slots, 0, draft_meta)
+        walk = self.grammar.draft_walk(slots.tolist()) if self.grammar is not None else None
+        try:
+            return self._draft_walk(batch, rows, h, last_pos, k, draft_meta, walk)
+        finally:
+            if walk is not None:
+                walk.close()
+
+    def _draft_walk(self, batch: InputBatch, rows: np.ndarray, h: torch.Tensor, last_pos: np.ndarray, k: int,
+                    draft_meta: DraftMetadataFn, walk: DraftWalk | None) -> list[list[int]]:
+        slots = batch.slots[rows]
+        token = self._pick(self.model.compute_draft_logits(h), slots, 0, draft_meta, walk)
         proposed = [token]
         block_tables = batch.layout.block_tables[rows]
         ones = np.ones(len(rows), dtype=np.int32)
@@ -146,22 +158,31 @@ class MTPDrafter:
             layout = StepLayout(block_tables, (last_pos + i).astype(np.int32), ones)
             step_ctx = AttentionContext(self.kv_views, layout, self.block_size, self.device, self.sliding_window)
             h = self.model.mtp_forward(0, h, token, step_ctx.positions, step_ctx, has_position0=False)
-            token = self._pick(self.model.compute_draft_logits(h), slots, i, draft_meta)
+            token = self._pick(self.model.compute_draft_logits(h), slots, i, draft_meta, walk)
             proposed.append(token)
         return torch.stack(proposed, dim=1).tolist()
 
-    def _pick(self, logits: torch.Tensor, slots: np.ndarray, j: int, draft_meta: DraftMetadataFn) -> torch.Tensor:
+    def _pick(self, logits: torch.Tensor, slots: np.ndarray, j: int, draft_meta: DraftMetadataFn,
+              walk: DraftWalk | None = None) -> torch.Tensor:
+        if walk is not None:  # a draft the grammar refuses could never be accepted: do not propose it
+            logits = logits.masked_fill(~walk.mask().to(logits.device), float("-inf"))
         meta = draft_meta(slots, j) if self.mode is DraftMode.COUPLED else None
         if meta is None:
-            return logits.argmax(-1).to(torch.int32)
-        return self.sampler(logits, meta).sampled_token_ids
+            token = logits.argmax(-1).to(torch.int32)
+        else:
+            token = self.sampler(logits, meta).sampled_token_ids
+        if walk is not None:
+            walk.accept(token.tolist())
+        return token
 
 
 class NgramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the last n tokens, propose what followed."""
 
-    def __init__(self, states: RequestStates, num_tokens: int, max_n: int = 4, min_n: int = 1) -> None:
+    def __init__(self, states: RequestStates, num_tokens: int, max_n: int = 4, min_n: int = 1,
+                 grammar: GrammarStates | None = None) -> None:
         self.states, self.k, self.max_n, self.min_n = states, num_tokens, max_n, min_n
+        self.grammar = grammar  # structured output: drafts cut where the grammar refuses one
         self.flushed = False
 
     def propose(self, batch: InputBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,
@@ -173,6 +194,8 @@ class NgramDrafter:
             slot = int(batch.slots[row])
             tokens = self.states.all_token_ids[slot, : self.states.total_len_np[slot]].tolist()
             drafts[row] = self.lookup(tokens)[:k]
+            if self.grammar is not None:
+                drafts[row] = drafts[row][: self.grammar.valid_prefix(slot, drafts[row])]
         return drafts
 
     def lookup(self, tokens: list[int]) -> list[int]:

@@ -83,9 +83,9 @@ class ModelRunner:
         self.drafter: MTPDrafter | NgramDrafter | None = None
         if config.speculative_method == "mtp":
             self.drafter = MTPDrafter(self.model, self.states, self.kv_views, self.block_size, self.num_spec,
-                                      self.device, self.sampler, model_cfg.sliding_window)
+                                      self.device, self.sampler, model_cfg.sliding_window, grammar=self.grammar)
         elif config.speculative_method == "ngram":
-            self.drafter = NgramDrafter(self.states, self.num_spec)
+            self.drafter = NgramDrafter(self.states, self.num_spec, grammar=self.grammar)
         # n-gram drafts vary in length per row, which the cost model does not time: always fixed K.
         mode = SpecPolicyMode(config.spec_policy) if config.speculative_method == "mtp" else SpecPolicyMode.FIXED
         self.spec_policy = SpecPolicy(self.num_spec, mode)

@@ -86,6 +86,45 @@ class GrammarCompiler:
         return self._tokenizer_compiler().compile_grammar(grammar)
 
 
+def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """xgrammar's int32 bitmask [R, ceil(V / 32)] as a bool mask [R, V] (bit i of word w: token 32w + i)."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab_size].astype(bool))
+
+
+class DraftWalk:
+    """Drafts that the grammar allows: draft j of each row is picked under the mask of its matcher
+    after drafts[:j], which the walk feeds it; `close` rolls every matcher back to where it was.
+    A row without a grammar, or whose walk is over (stop token, refused draft), is unmasked."""
+
+    def __init__(self, matchers: list[xgr.GrammarMatcher | None], vocab_size: int) -> None:
+        self.matchers, self.vocab_size = matchers, vocab_size
+        self.walked = [0] * len(matchers)
+        self.alive = [m is not None and not m.is_terminated() for m in matchers]
+        self._bitmask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+    def mask(self) -> torch.Tensor:
+        self._bitmask.fill_(-1)
+        for row, matcher in enumerate(self.matchers):
+            if self.alive[row]:
+                matcher.fill_next_token_bitmask(self._bitmask, row)
+        return _unpack(self._bitmask, self.vocab_size)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        for row, matcher in enumerate(self.matchers):
+            if self.alive[row]:
+                self.alive[row] = matcher.accept_token(int(tokens[row]))
+                if self.alive[row]:
+                    self.walked[row] += 1
+                    self.alive[row] = not matcher.is_terminated()
+
+    def close(self) -> None:
+        for matcher, n in zip(self.matchers, self.walked):
+            if n:
+                matcher.rollback(n)
+        self.walked = [0] * len(self.matchers)
+
+
 class GrammarStates:
     """One matcher per slot (None: the slot's request is unconstrained)."""
 
@@ -126,8 +165,26 @@ class GrammarStates:
             if matcher is not None:
                 self._fill_window(matcher, window, bitmask, row)
             row += 1 + len(window)
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
-        return torch.from_numpy(bits[:, : self.compiler.vocab_size].astype(bool))
+        return _unpack(bitmask, self.compiler.vocab_size)
+
+    def draft_walk(self, slots: Sequence[int]) -> DraftWalk | None:
+        """For a drafter: masks for draft j of each slot after drafts[:j]; None when no slot has a
+        grammar (the drafter then runs exactly as without structured output)."""
+        if not self.any_active(slots):
+            return None
+        return DraftWalk([self.matchers[s] for s in slots], self.compiler.vocab_size)
+
+    def valid_prefix(self, slot: int, drafts: Sequence[int]) -> int:
+        """How many leading drafts the slot's grammar accepts (all of them without a grammar)."""
+        matcher = self.matchers[slot]
+        if matcher is None:
+            return len(drafts)
+        n = 0
+        while n < len(drafts) and not matcher.is_terminated() and matcher.accept_token(int(drafts[n])):
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return n
 
     @staticmethod
     def _fill_window(matcher: xgr.GrammarMatcher, window: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
