@@ -12,7 +12,10 @@ instance continues where the prefill instance stopped. Each verify window is mas
 position: position j gets the mask of the state after drafts[:j], the drafts are walked into the
 matcher to get there, and the walk is rolled back before the tokens actually kept are accepted.
 A draft the grammar refuses makes every later position of its window moot (the target cannot
-sample it, so verification stops there): those positions are left unmasked.
+sample it, so verification stops there): those positions are left unmasked. The drafters follow
+the grammar too (DraftWalk for MTP, `valid_prefix` for n-gram lookup), which only changes which
+drafts are proposed, never the output: on the bundled model it lifts MTP acceptance under a JSON
+schema from 8% to 60% (benchmarks/results/grammar_mask.txt).
 
 Compiled grammars are cached by spec (kind + text), so a schema is compiled once per process;
 the front end compiles the same grammar (without a tokenizer) to refuse a bad schema with a 400.
