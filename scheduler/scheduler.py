@@ -281,7 +281,7 @@ class Scheduler:
         if first == 0 and new_tokens:
             update.num_cached_tokens = request.num_cached_tokens
             if request.sampling_params.prompt_logprobs is not None:
-                update.prompt_logprobs = request.prompt_logprobs
+                update.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []  # sent: not kept
         return update
 
     def _preempt(self, request: Request) -> None:
