@@ -97,9 +97,11 @@ def tokenizer():
 
 @pytest.fixture(scope="module", params=["colocated", "pd"])
 def oai(request, tmp_path_factory, tokenizer):
-    """The bundled model behind the HTTP API; a 64-token budget makes P prefill the prompt in chunks."""
+    """The bundled model behind the HTTP API as `make serve` runs it (MTP on); a 64-token budget makes
+    P prefill the prompt in chunks."""
     with served(tmp_path_factory.mktemp(request.param), request.param, tokenizer, MODEL, model=str(BUNDLED_MODEL),
-                max_model_len=512, block_size=BLOCK, max_num_batched_tokens=64) as s:
+                max_model_len=512, block_size=BLOCK, max_num_batched_tokens=64, speculative_method="mtp",
+                num_speculative_tokens=2) as s:
         yield request.param, openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
