@@ -64,6 +64,7 @@ class ChatFormat:
         self.serving, self.req, self.prompt_ids, self.choices = serving, req, prompt_ids, choices
         self.head = dict(id=request_id, created=int(time.time()), model=serving.model_name)
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.continuous_usage = self.include_usage and req.stream_options.continuous_usage_stats
 
     def _logprobs(self, lps: list[TokenLogprobs]) -> ChatLogprobs | None:
         return self.serving.chat_logprobs(lps) if self.req.logprobs else None

@@ -296,7 +296,8 @@ class RemoteEngineClient:
             # D failed it for good (no retry): P may still hold the KV for it; free it now, not at lease end.
             self._send(tracked.prefill, msg.Abort(tracked.req_id, tracked.transfer_id))
         tracked.queue.put_nowait(GenerationChunk(list(out.token_ids), list(out.logprobs), out.finish_reason, out.error,
-                                                 queue_time=out.queue_time))
+                                                 queue_time=out.queue_time, prompt_logprobs=out.prompt_logprobs,
+                                                 num_cached_tokens=out.num_cached_tokens))
 
     async def _watch_instances(self) -> None:
         announced_dead: set[str] = set()

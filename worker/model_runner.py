@@ -23,6 +23,7 @@ from worker.compilation import ModelForward
 from worker.drafter import MTPDrafter, NgramDrafter
 from worker.input_batch import InputBatch, StepLayout
 from worker.model_loader import DTYPES, load_model, resolve_draft_dtype
+from worker.prompt_logprobs import compute_prompt_logprobs
 from worker.rejection_sampler import accept_matching_prefix
 from worker.sampler import GREEDY_TEMPERATURE_EPS, Sampler, SamplingMetadata, mix_seed, position_generator
 from worker.spec_policy import SpecPolicy, SpecPolicyMode
@@ -106,6 +107,7 @@ class ModelRunner:
         ctx = AttentionContext(self.kv_views, batch.layout, self.block_size, self.device, self.model_cfg.sliding_window,
                                self.attention_backend)
         hidden = self.forward(input_ids, ctx.positions, ctx)
+        prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch, self.states)
         accepted, logprobs = self._sample(batch, hidden)
         self._write_back(batch, accepted)
         drafts = [[] for _ in batch.req_ids]
@@ -115,7 +117,7 @@ class ModelRunner:
             if k or batch.num_drafts.any():  # else nothing was verified or proposed: no buffer to update
                 self._store_drafts(batch, drafts)
             self._time_step(batch, k, start)
-        return RunnerOutput(batch.req_ids, accepted, drafts, logprobs)
+        return RunnerOutput(batch.req_ids, accepted, drafts, logprobs, prompt_logprobs)
 
     # -- pieces --------------------------------------------------------------------------
 
