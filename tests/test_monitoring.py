@@ -1,6 +1,9 @@
 """Monitoring (issue: dashboard, status page): the Grafana dashboard names only metrics that /metrics
 exports, the compose `monitoring` profile is wired to it, and GET /status renders each instance and
-the recent requests in a real headless Chromium while requests run, behind the API key."""
+the recent requests in a real headless Chromium while requests run, behind the API key.
+
+The committed screenshot is this test's: `PDSERVE_STATUS_SCREENSHOT=$PWD/benchmarks/results/status_page.png`
+(otherwise it goes to a temp dir)."""
 from __future__ import annotations
 
 import json
@@ -322,3 +325,64 @@ def test_status_page_renders_instances_and_requests_in_chromium(stack, tmp_path)
         assert img.size == (1400, 1000)
         colours = img.convert("RGB").resize((140, 100)).getcolors(maxcolors=100000)
         assert colours is not None and len(colours) > 20, "the screenshot is blank"
+
+
+class _ColocatedClient:
+    """Just enough of an EngineClient for the status routes: one colocated engine, two requests."""
+
+    mode = "colocated"
+    max_model_len, vocab_size, eos_token_ids = 512, 384, [0]
+
+    def __init__(self) -> None:
+        self.timeline = Timeline()
+        self.timeline.dispatched("cmpl-done", 7, "colocated-0", "colocated-0")
+        self.timeline.output("cmpl-done", "colocated-0", 4)
+        self.timeline.finished("cmpl-done", "stop")
+        self.timeline.dispatched("cmpl-live", 9, "colocated-0", "colocated-0")
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    async def abort(self, request_id: str) -> None: ...
+
+    def generate(self, request_id, prompt_token_ids, params):
+        raise NotImplementedError
+
+    def is_ready(self) -> bool:
+        return True
+
+    def instances(self):
+        from server.protocol import InstanceInfo
+
+        return [InstanceInfo("colocated-0", "colocated", True, 75, 100, 2, 1)]
+
+
+def test_colocated_status_shows_the_instance_only(tmp_path):
+    """No API key set: the page and its JSON are open; a colocated request is one bar on one instance."""
+    import uvicorn
+
+    from server.app import build_app
+
+    app = build_app(_ColocatedClient(), None, "m")
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, 10, "the test server")
+        status = httpx.get(f"http://127.0.0.1:{port}/status.json", timeout=10).json()
+        assert [(i["name"], i["kv_usage"], i["num_running"]) for i in status["instances"]] == [("colocated-0", 0.25, 2)]
+        assert [(r["req_id"], r["prefill"], r["decode"], r["decode_first"]) for r in status["requests"]] == [
+            ("cmpl-live", "colocated-0", "colocated-0", None), ("cmpl-done", "colocated-0", "colocated-0", None)]
+        assert status["counters"] == {"resumed": 0.0, "failed_after_resume": 0.0}
+        binary = chromium()
+        parser = _Rows()
+        parser.feed(headless(binary, tmp_path / "profile", "--dump-dom", f"http://127.0.0.1:{port}/status").stdout)
+        rows = {r["data-id"]: r for r in parser.rows if r["kind"] == "request"}
+        assert rows["cmpl-done"]["segments"] == ["colocated"] and rows["cmpl-done"]["data-state"] == "stop"
+        assert rows["cmpl-live"]["segments"] == ["colocated"] and rows["cmpl-live"]["data-state"] == "running"
+        assert "→" not in rows["cmpl-done"]["cells"][0] and "colocated-0" in rows["cmpl-done"]["cells"][0]
+        (instance,) = [r for r in parser.rows if r["kind"] == "instance"]
+        assert instance["data-name"] == "colocated-0" and instance["cells"][3].startswith("25%")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
