@@ -19,6 +19,13 @@ class EngineRole(enum.StrEnum):
     DECODE = "decode"        # D: reserve blocks, pull the KV from P, decode
 
 
+class KVTransferMode(enum.StrEnum):
+    """How a prefill engine ships a prompt's KV (its --kv-transfer-mode)."""
+
+    LAYERWISE = "layerwise"          # each layer as the forward writes it, overlapping the prefill
+    AFTER_PREFILL = "after-prefill"  # the whole prompt's KV in one message once the prefill finished
+
+
 class ServeMode(enum.StrEnum):
     """Which engine roles the front end routes to."""
 

@@ -22,6 +22,7 @@ from worker.attention import AttentionContext, allocate_kv_caches, default_backe
 from worker.compilation import ModelForward
 from worker.drafter import MTPDrafter, NgramDrafter
 from worker.input_batch import InputBatch, StepLayout
+from worker.kv_tap import KVTap
 from worker.model_loader import DTYPES, load_model, resolve_draft_dtype
 from worker.prompt_logprobs import compute_prompt_logprobs
 from worker.rejection_sampler import accept_matching_prefix
@@ -90,6 +91,7 @@ class ModelRunner:
         self._last_step_end: float | None = None
         self.eos_token_ids = model_cfg.eos_token_ids
         self.check_invariants = invariants.enabled()
+        self.kv_tap: KVTap | None = None  # set by a prefill engine in PD (layer-wise KV push)
 
     # -- one step ------------------------------------------------------------------------
 
@@ -106,12 +108,16 @@ class ModelRunner:
         input_ids = self._prepare_input_ids(batch)
         ctx = AttentionContext(self.kv_views, batch.layout, self.block_size, self.device, self.model_cfg.sliding_window,
                                self.attention_backend)
+        step_tap = self.kv_tap.step(batch.req_ids, batch.layout) if self.kv_tap is not None else None
+        if step_tap is not None:
+            ctx.tap = step_tap.layer_tap(batch.req_ids, batch.layout)
         hidden = self.forward(input_ids, ctx.positions, ctx)
         prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch, self.states)
         accepted, logprobs = self._sample(batch, hidden)
         self._write_back(batch, accepted)
         drafts = [[] for _ in batch.req_ids]
         if self.drafter is not None:
+            self.drafter.kv_tap = step_tap  # the MTP layers' KV of the chunk is reported too
             k = self._choose_num_drafts(batch, accepted)
             drafts = self.drafter.propose(batch, hidden, accepted, k, self._draft_metadata)
             if k or batch.num_drafts.any():  # else nothing was verified or proposed: no buffer to update
@@ -137,6 +143,8 @@ class ModelRunner:
         st = self.states
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             st.remove_request(req_id)
+        if self.kv_tap is not None:
+            self.kv_tap.forget([*sched.finished_req_ids, *sched.preempted_req_ids])
         for new in sched.new_requests:
             slot = st.add_request(new)
             if self.check_invariants:
