@@ -12,11 +12,21 @@ import pytest
 import torch
 import zmq
 from conftest import random_prompts
-from pd_harness import ThreadedEngines, client_for, generate_all, running_client, wait_blocks_free, wait_ready
+from pd_harness import (
+    ThreadedEngines,
+    client_for,
+    generate_all,
+    running_client,
+    wait_blocks_free,
+    wait_ready,
+    wait_until,
+)
 
+from engine import messages as em
 from engine.config import EngineConfig
 from engine.types import KVTransferMode, SamplingParams
 from kv_transfer import messages as m
+from kv_transfer.layer_stream import LayerStreamer
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender, frames_checksum
 
@@ -106,6 +116,92 @@ def test_partial_stream_ends_in_the_failure_path_with_every_block_back(checkpoin
             assert decode.connector.receiver.stats.layers_received > 0
     finally:
         engines.stop()
+
+
+def test_a_layer_corrupted_on_the_wire_is_caught_before_admission(checkpoints, references, tmp_path, monkeypatch):
+    """One bit of one layer frame flipped after P computed its checksum: D refuses the transfer,
+    the front end re-prefills (or fails clearly), later requests are exact, no block is left."""
+    real = LayerStreamer._send_frames
+    flipped = {"n": 0}
+
+    def flip_first_layer_frame(self, frames):
+        if flipped["n"] == 0 and len(frames) == 3:
+            bad = bytearray(frames[2])
+            bad[len(bad) // 2] ^= 0x10
+            frames = [*frames[:2], bytes(bad)]
+            flipped["n"] += 1
+        real(self, frames)
+
+    monkeypatch.setattr(LayerStreamer, "_send_frames", flip_first_layer_frame)
+    model = str(checkpoints["qwen2"])
+    engines = ThreadedEngines(tmp_path)
+    cfg = dict(model=model, max_model_len=128, num_threads=1)
+    engines.add("prefill", "prefill-0", EngineConfig(**cfg), kv_mode="layerwise", kv_checksum=True)
+    decode = engines.add("decode", "decode-0", EngineConfig(**cfg))
+    engines.start()
+    client = client_for(engines.server_addr, model, "pd", 128)
+    prompts = random_prompts(3, 20, 60, VOCAB, 155)
+    try:
+        with running_client(client) as run:
+            run(wait_ready(client))
+            results = run(generate_all(client, prompts, GREEDY, concurrency=1, timeout=60))
+            assert flipped["n"] == 1 and decode.connector.receiver.stats.checksum_mismatches == 1
+            for p, r in zip(prompts, results):
+                if r["error"] is None:
+                    references["qwen2"].assert_matches(p, r["tokens"], NEW)
+                else:
+                    assert "checksum mismatch" in r["error"], r
+            assert sum(r["error"] is None for r in results) >= 2
+            run(wait_blocks_free(client, timeout=10))
+    finally:
+        engines.stop()
+
+
+def test_decode_vanishing_mid_stream_leaves_nothing_held_on_prefill(checkpoints, tmp_path):
+    """A fake D pulls, takes the layers and the done message, and vanishes without acking: P's
+    stream thread has sent everything it had, and P frees the blocks when the lease expires."""
+    model = str(checkpoints["qwen2"])
+    engines = ThreadedEngines(tmp_path)
+    prefill = engines.add("prefill", "prefill-0", EngineConfig(model=model, max_model_len=256,
+                                                               max_num_batched_tokens=32), kv_lease_s=1.5)
+    engines.start()
+    ctx = zmq.Context()
+    front = ctx.socket(zmq.ROUTER)  # stands in for the front end
+    front.bind(engines.server_addr)
+    fake_d = ctx.socket(zmq.DEALER)
+    fake_d.connect(prefill.connector.sender.address)
+    for s in (front, fake_d):
+        s.setsockopt(zmq.RCVTIMEO, 10000)
+    try:
+        fake_d.send(m.encode(m.Hello(prefill.connector.sender.compat_hash, "", "fake-decode")))
+        assert isinstance(m.decode(fake_d.recv()), m.HelloAck)
+        front.recv_multipart()  # the first heartbeat: prefill-0 is connected
+        fake_d.send(m.encode(m.PullKV("r1", "t1")))  # before P even has the request: the route is known early
+        prompt = random_prompts(1, 70, 70, VOCAB, 156)[0]
+        front.send_multipart([b"prefill-0", em.encode(em.Submit("r1", prompt, SamplingParams(max_tokens=8),
+                                                                 transfer_id="t1"))])
+        spans = []
+        while True:
+            frames = fake_d.recv_multipart()
+            msg = m.decode(frames[0])
+            if isinstance(msg, m.KVLayersDone):
+                break
+            assert isinstance(msg, m.KVLayer) and len(frames) == 2
+            spans.append((msg.layer, msg.start, msg.end))
+        assert msg.num_tokens == 70 and msg.num_layers == 2
+        # 32-token chunks: each of the 2 layers came as [0, 32), [32, 64), [64, 70), in order.
+        assert spans == [(layer, a, b) for a, b in ((0, 32), (32, 64), (64, 70)) for layer in (0, 1)]
+        fake_d.close(0)  # "killed": no ack, no keepalive
+        core = prefill.core
+        assert core.stats().kv_blocks_free < core.stats().kv_blocks_total  # held under the lease
+        wait_until(lambda: core.stats().kv_blocks_free == core.stats().kv_blocks_total, 5,
+                   "prefill to free the blocks after the lease expired")
+        assert prefill.connector.sender.stats.leases_expired == 1 and not prefill.connector.sender.streams
+    finally:
+        engines.stop()
+        for s in (front, fake_d):
+            s.close(0)
+        ctx.term()
 
 
 # -- the receiver alone, against a hand-driven prefill port ------------------------------------
