@@ -81,9 +81,12 @@ class KVConnector:
         """The prompt length whose KV the runner should report for `req_id`, None: not this one."""
         return None
 
-    def on_layer(self, req_id: str, layer: int, start: int, end: int, kv: torch.Tensor | None,
+    def on_layer(self, req_id: str, layer: int, start: int, end: int, kv: torch.Tensor,
                  ready: torch.cuda.Event | None) -> None:
         """KV `layer` of positions [start, end) of `req_id`'s prompt is written (`kv`: its host copy)."""
+
+    def on_layers_done(self, req_id: str) -> None:
+        """The forward of the last KV layer over `req_id`'s last prompt chunk is over."""
 
     def sockets(self) -> list[zmq.Socket]:
         """Sockets the process loop should wake up for."""
@@ -97,8 +100,8 @@ class KVConnector:
 
 
 class PrefillConnector(KVConnector):
-    """Taps layers in both modes: the time the last one is written is what the hand-off latency
-    (D's kv_transfer_handoff_seconds) is measured from."""
+    """Taps layers in both modes: the end of the last KV layer's forward over a prompt is what the
+    hand-off latency (D's kv_transfer_handoff_seconds) is measured from."""
 
     role = EngineRole.PREFILL
     taps_layers = True
@@ -107,7 +110,6 @@ class PrefillConnector(KVConnector):
         self.sender = sender
         self.kv_endpoint = kv_endpoint
         self.snapshots_layers = layerwise
-        self.num_layers = sender.kv_cache.shape[0]
         self.prefilling: dict[str, Request] = {}
 
     def on_new_request(self, request: Request, prefill_endpoint: str) -> None:
@@ -119,14 +121,14 @@ class PrefillConnector(KVConnector):
         request = self.prefilling.get(req_id)
         return request.prompt_len if request is not None else None
 
-    def on_layer(self, req_id: str, layer: int, start: int, end: int, kv: torch.Tensor | None,
+    def on_layer(self, req_id: str, layer: int, start: int, end: int, kv: torch.Tensor,
                  ready: torch.cuda.Event | None) -> None:
         request = self.prefilling[req_id]
         tid = request.kv_transfer_id
-        if kv is not None:
-            self.sender.publish_layer(req_id, tid, layer, start, end, request.prompt_len, kv, ready)
-        if layer == self.num_layers - 1 and end == request.prompt_len:
-            self.sender.note_done_time(req_id, tid)
+        self.sender.publish_layer(req_id, tid, layer, start, end, request.prompt_len, kv, ready)
+
+    def on_layers_done(self, req_id: str) -> None:
+        self.sender.note_done_time(req_id, self.prefilling[req_id].kv_transfer_id)
 
     def request_finished(self, request: Request) -> bool:
         if self.prefilling.get(request.req_id) is request:

@@ -61,7 +61,7 @@ class KVHeader(msgspec.Struct, tag=True):
     transfer_id: str = ""
     sender: str = ""           # P's instance name
     checksum: int | None = None  # xxh3_64 of every frame's bytes in order; None: not computed
-    prefill_done_time: float = 0.0  # wall clock when P wrote the prompt's last KV layer (0: unknown)
+    prefill_done_time: float = 0.0  # wall clock when P finished the forward of the last KV layer (0: unknown)
 
 
 class KVLayer(msgspec.Struct, tag=True):

@@ -55,7 +55,7 @@ class Completed:
     req_id: str
     t0: int
     num_tokens: int
-    prefill_done_time: float = 0.0  # wall clock when P wrote the last KV layer (0: unknown)
+    prefill_done_time: float = 0.0  # wall clock when P finished the last KV layer's forward (0: unknown)
 
 
 @dataclass

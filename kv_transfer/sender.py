@@ -146,7 +146,7 @@ class KVSender:
         self.streamer.submit(LayerJob(key, layer, start, end, num_tokens, kv, ready))
 
     def note_done_time(self, req_id: str, transfer_id: str) -> None:
-        """The prompt's last KV layer is written now (what the hand-off latency is measured from)."""
+        """The forward of the prompt's last KV layer is over (what the hand-off latency is measured from)."""
         self.done_times[(req_id, transfer_id)] = time.time()
 
     def end_stream(self, req_id: str, transfer_id: str) -> None:

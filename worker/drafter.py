@@ -64,6 +64,8 @@ class MTPDrafter:
             return drafts
         pass_rows = np.nonzero(in_pass)[0]
         mtp_hidden, layout = self._mtp_pass(batch, hidden, n_valid, pass_rows)
+        if self.kv_tap is not None:
+            self.kv_tap.last_layer_done()
         rows = np.nonzero(drafting)[0]
         if not len(rows):
             return drafts

@@ -22,8 +22,9 @@ import torch
 from worker.input_batch import StepLayout
 
 TapTarget = Callable[[str], int | None]   # req_id -> prompt length to report, None: not tapped
-# (req_id, layer, start, end, kv [2, end - start, heads, dim] on the host or None, copy-done event)
-LayerSink = Callable[[str, int, int, int, torch.Tensor | None, torch.cuda.Event | None], None]
+LayersDone = Callable[[str], None]        # req_id: the forward of the prompt's last KV layer is over
+# (req_id, layer, start, end, kv [2, end - start, heads, dim] on the host, copy-done event or None)
+LayerSink = Callable[[str, int, int, int, torch.Tensor, torch.cuda.Event | None], None]
 
 
 @dataclass
@@ -31,13 +32,16 @@ class TapRow:
     req_id: str
     start: int   # first position to report (0 on a request's first chunk)
     end: int     # one past the last, at most the prompt's length
+    last: bool   # the prompt's last chunk
 
 
 class KVTap:
     def __init__(self, kv_cache: torch.Tensor, block_size: int, target: TapTarget, sink: LayerSink,
-                 snapshot: bool) -> None:
-        """`snapshot`: hand the sink a host copy of the KV; else only the positions (timing)."""
+                 snapshot: bool, layers_done: LayersDone) -> None:
+        """`snapshot`: hand the sink a host copy of each layer's KV; else only report `layers_done`.
+        `layers_done` hears when the last KV layer's forward over a prompt's last chunk is over."""
         self.kv_cache, self.block_size, self.target, self.sink = kv_cache, block_size, target, sink
+        self.layers_done = layers_done
         self.snapshot = snapshot
         self.reported: dict[str, int] = {}   # req_id -> positions reported on every layer so far
         self.side_stream = torch.cuda.Stream(kv_cache.device) if kv_cache.device.type == "cuda" else None
@@ -58,7 +62,7 @@ class KVTap:
             end = min(start + int(layout.query_lens[r]), prompt_len)
             if end <= start:
                 continue
-            rows[req_id] = TapRow(req_id, min(self.reported.get(req_id, 0), start), end)
+            rows[req_id] = TapRow(req_id, min(self.reported.get(req_id, 0), start), end, end == prompt_len)
             self.reported[req_id] = end
         return StepTap(self, rows) if rows else None
 
@@ -68,6 +72,12 @@ class StepTap:
 
     def __init__(self, tap: KVTap, rows: dict[str, TapRow]) -> None:
         self.tap, self.rows = tap, rows
+
+    def last_layer_done(self) -> None:
+        """The pass that writes the last KV layer (the model forward, or the MTP pass) is over."""
+        for row in self.rows.values():
+            if row.last:
+                self.tap.layers_done(row.req_id)
 
     def layer_tap(self, req_ids: Sequence[str], layout: StepLayout) -> LayerTap | None:
         bs, device = self.tap.block_size, self.tap.kv_cache.device
@@ -90,11 +100,11 @@ class LayerTap:
 
     def __call__(self, layer: int) -> None:
         tap = self.tap
+        if not tap.snapshot:  # timing only: nothing to hand over per layer
+            return
         for row, slots in self.rows:
-            kv = ready = None
-            if tap.snapshot:
-                layer_kv = tap.kv_cache[layer]  # [2, blocks, block_size, heads, dim]
-                kv, ready = self._to_host(layer_kv.view(2, -1, *layer_kv.shape[3:]).index_select(1, slots))
+            layer_kv = tap.kv_cache[layer]  # [2, blocks, block_size, heads, dim]
+            kv, ready = self._to_host(layer_kv.view(2, -1, *layer_kv.shape[3:]).index_select(1, slots))
             tap.sink(row.req_id, layer, row.start, row.end, kv, ready)
 
     def _to_host(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -112,6 +112,8 @@ class ModelRunner:
         if step_tap is not None:
             ctx.tap = step_tap.layer_tap(batch.req_ids, batch.layout)
         hidden = self.forward(input_ids, ctx.positions, ctx)
+        if step_tap is not None and not isinstance(self.drafter, MTPDrafter):
+            step_tap.last_layer_done()  # else the MTP pass writes the last KV layer
         prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch, self.states)
         accepted, logprobs = self._sample(batch, hidden)
         self._write_back(batch, accepted)
