@@ -142,6 +142,10 @@ class PrefillConnector(KVConnector):
         return True
 
     def abort(self, req_id: str, transfer_id: str | None = None) -> None:
+        request = self.prefilling.get(req_id)
+        if request is not None and transfer_id in (None, request.kv_transfer_id):
+            del self.prefilling[req_id]  # also when the scheduler refused it (it never finishes then)
+            self.sender.end_stream(req_id, request.kv_transfer_id)
         self.sender.drop(req_id, "aborted", transfer_id)
 
     def poll(self) -> KVEvents:

@@ -50,10 +50,20 @@ def run_pd(tmp_path, model: str, batches, mode: str, spec: str | None = "mtp", d
             run(wait_ready(client))
             results = [r for batch in batches for r in run(generate_all(client, batch, GREEDY, concurrency=4))]
             run(wait_blocks_free(client, timeout=10))
+            assert_nothing_left(prefill)
             hits = {"prefix_cache_hit_blocks": prefill.core.block_manager.num_hit_blocks}
             return results, {**prefill.connector.counters(), **hits}, decode.connector.counters()
     finally:
         engines.stop()
+
+
+def assert_nothing_left(prefill) -> None:
+    """Every transfer's state on P is gone once its blocks are: no per-request leak anywhere."""
+    sender = prefill.connector.sender
+    assert not prefill.connector.prefilling and not prefill.core.runner.kv_tap.reported
+    assert not (sender.streams or sender.first_puller or sender.done_times or sender.held or sender.pulls)
+    if sender.streamer is not None:  # the stream thread's own tables (it forgets on the engine's word)
+        wait_until(lambda: not (sender.streamer.routes or sender.streamer.waiting), 5, "the stream to forget")
 
 
 @pytest.mark.parametrize("mode", list(KVTransferMode))
