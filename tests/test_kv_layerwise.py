@@ -350,3 +350,43 @@ def test_sender_streams_layers_queued_before_and_after_the_pull(tmp_path):
         sender.close()
         receiver.close()
         ctx.term()
+
+
+def test_a_pull_from_a_new_connection_gets_the_whole_transfer_and_p_death_ends_in_the_deadline(tmp_path):
+    """The stream went to D's first connection; D re-handshaked (a new connection) and pulls
+    again: P answers with the whole-transfer form, which D takes for any pull. Then P dies in
+    the middle of another stream: D's deadline ends the pull, nothing of it stays."""
+    ctx = zmq.Context()
+    src = torch.randn(SHAPE)
+    dst = torch.zeros(SHAPE)
+    sender = KVSender(ctx, f"ipc://{tmp_path}/p", src, "h", "{}", "prefill-0", lambda *_: None, layerwise=True)
+    first = KVReceiver(ctx, torch.zeros(SHAPE), "h", "{}", "decode-0", deadline_s=30.0)
+    second = KVReceiver(ctx, dst, "h", "{}", "decode-0", deadline_s=1.0)
+    n, blocks = 8, [0, 1]
+    try:
+        first.start("r", sender.address, blocks, "t", n)
+        pump_until(first, lambda d, f: (sender.poll(), ("r", "t") in sender.pulls)[-1])
+        sender.publish_layer("r", "t", 0, 0, n, n, src[0].reshape(2, -1, *SHAPE[4:])[:, :n].clone())
+        pump_until(first, lambda d, f: first.stats.layers_received == 1)
+        second.start("r", sender.address, blocks, "t", n)  # the same transfer, from a new connection
+        pump_until(second, lambda d, f: (sender.poll(), ("r", "t") in sender.pulls)[-1] and
+                   sender.pulls[("r", "t")].requester != sender.first_puller[("r", "t")])
+        sender.hold("r", blocks, n, 4, "t")
+        done, _ = pump_until(second, lambda d, f: (sender.poll(), d)[-1])
+        assert done[0].t0 == 4 and second.stats.layers_received == 0  # the whole transfer, in one message
+        assert torch.equal(dst[:, :, :2], src[:, :, :2])
+
+        second.start("r2", sender.address, [2, 3], "t", n)
+        pump_until(second, lambda d, f: (sender.poll(), ("r2", "t") in sender.pulls)[-1])
+        sender.publish_layer("r2", "t", 0, 0, 4, n, src[0].reshape(2, -1, *SHAPE[4:])[:, :4].clone())
+        pump_until(second, lambda d, f: second.stats.layers_received == 1)
+        sender.close()  # P dies with the stream half sent
+        sender = None
+        _, failed = pump_until(second, lambda d, f: f, timeout=5)
+        assert failed[0].req_id == "r2" and "timed out" in failed[0].reason and not second.pulls
+    finally:
+        for r in (first, second):
+            r.close()
+        if sender is not None:
+            sender.close()
+        ctx.term()
