@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 	-command -v docker-compose >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
 		{ apt-get install -y -q docker-compose || { apt-get update -q && apt-get install -y -q docker-compose; }; } \
 		>/dev/null 2>&1 || echo "note: docker-compose not installed; its test will be skipped"; }
+	@# Chromium renders the /status page headless in tests/test_monitoring.py; installed the same best-effort way.
+	-command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+		{ apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } \
+		>/dev/null 2>&1 || echo "note: chromium not installed; the /status rendering test will be skipped"; }
 	touch $(STAMP)
 
 serve: $(STAMP)

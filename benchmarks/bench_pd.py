@@ -5,8 +5,12 @@
     stream of the same bytes over the same transport.
 (b) TTFT and inter-token latency p50/p99, PD vs colocated, while long prompts keep arriving
     during decodes (streaming HTTP against `pdserve serve`, each mode on the same 2 cores).
+(c) The KV hand-off, layer-wise vs after-prefill (--kv-transfer-mode): time from P writing the
+    prompt's last KV layer to D's first decode step of the request (D's
+    kv_transfer_handoff_seconds, wall clock on one host), plus TTFT and ITL, on ~1.5k-token
+    prompts sent one at a time; both servers run side by side and the rounds alternate modes.
 
-    python benchmarks/bench_pd.py [--skip-transfer] [--skip-latency] [--model DIR]
+    python benchmarks/bench_pd.py [--skip-transfer] [--skip-latency] [--skip-handoff] [--model DIR]
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ import argparse
 import asyncio
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -160,11 +166,107 @@ def bench_latency(model: str, seconds: float, spec: str) -> dict[str, dict]:
     return results
 
 
+# -- (c) the hand-off, layer-wise vs after-prefill ----------------------------------------------
+
+HANDOFF_MODES = ("layerwise", "after-prefill")
+
+
+async def handoff_sums(client, url: str) -> tuple[float, float]:
+    """D's kv_transfer_handoff_seconds (sum, count) from /metrics."""
+    text = (await client.get(f"{url}/metrics")).text
+    found = {}
+    for what in ("sum", "count"):
+        pattern = rf'kv_transfer_handoff_seconds_{what}(?:_total)?{{[^}}]*role="decode"[^}}]*}} ([0-9.e+-]+)'
+        found[what] = sum(float(v) for v in re.findall(pattern, text))
+    return found["sum"], found["count"]
+
+
+async def handoff_round(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        before = await handoff_sums(client, url)
+        ttft, itl, first_gap = [], [], []
+        for prompt in prompts:  # one at a time: the hand-off alone, no queueing behind other requests
+            t, gaps = await stream_one(client, url, prompt, max_tokens)
+            ttft.append(t)
+            itl.extend(gaps)
+            first_gap.append(gaps[0])
+        await asyncio.sleep(0.6)  # D's counters reach the front end with its next heartbeat (0.2 s)
+        after = await handoff_sums(client, url)
+    count = after[1] - before[1]
+    assert count == len(prompts), f"{count} hand-offs measured for {len(prompts)} requests"
+    return {"handoff": (after[0] - before[0]) / count, "ttft": ttft, "itl": itl, "first_gap": first_gap}
+
+
+async def wait_health(url: str) -> None:
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        for _ in range(600):
+            try:
+                if (await client.get(f"{url}/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"{url} never became healthy")
+
+
+def bench_handoff(model: str, rounds: int, per_round: int, spec: str) -> dict[str, list[dict]]:
+    from engine.config import ModelConfig
+
+    vocab = ModelConfig.from_dir(model).vocab_size
+    prompts = mixed_prompts(rounds * per_round + 1, vocab, 1400, 1600, seed=3)
+    base = 19000 + (os.getpid() % 500) * 2
+    urls = {mode: f"http://127.0.0.1:{base + i}" for i, mode in enumerate(HANDOFF_MODES)}
+    procs = [start_server(model, "pd", base + i, ["--kv-transfer-mode", mode, "--speculative-method", spec,
+                                                  "--no-enable-prefix-caching"])
+             for i, mode in enumerate(HANDOFF_MODES)]
+    results: dict[str, list[dict]] = {mode: [] for mode in HANDOFF_MODES}
+    try:
+        for url in urls.values():
+            asyncio.run(wait_health(url))
+            asyncio.run(handoff_round(url, prompts[-1:], 4))  # warm-up: first forwards load kernels
+        for r in range(rounds):
+            order = HANDOFF_MODES if r % 2 == 0 else HANDOFF_MODES[::-1]
+            for mode in order:  # the same prompts for both modes in a round
+                results[mode].append(asyncio.run(handoff_round(urls[mode], prompts[r * per_round:(r + 1) * per_round],
+                                                               16)))
+    finally:
+        for proc in procs:
+            stop_process_group(proc)
+    return results
+
+
+def print_handoff(res: dict[str, list[dict]], rounds: int, per_round: int, spec: str) -> None:
+    def med(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in res[mode]) * 1000
+
+    def pooled(mode: str, key: str, q: float) -> float:
+        return pct([v for r in res[mode] for v in r[key]], q) * 1000
+
+    print(f"\n(c) KV hand-off on 1400-1600-token prompts, one request at a time, {rounds} rounds x {per_round} "
+          f"requests per mode, modes alternating (spec={spec}, 512-token prefill chunks, 1 thread P + 1 thread D)")
+    print(f"{'metric':<44}{'layerwise':>11}{'after-prefill':>15}{'ratio':>8}")
+    a, b = med("layerwise", "handoff"), med("after-prefill", "handoff")
+    print(f"{'P last KV layer -> D first step, median (ms)':<44}{a:>11.2f}{b:>15.2f}{a / b:>8.2f}")
+    for key, label in (("ttft", "TTFT"), ("first_gap", "t0 -> first D token"), ("itl", "ITL")):
+        for q in (50, 99):
+            a, b = pooled("layerwise", key, q), pooled("after-prefill", key, q)
+            print(f"{label + f' p{q} (ms)':<44}{a:>11.2f}{b:>15.2f}{a / b:>8.2f}")
+    for mode in HANDOFF_MODES:
+        print(f"{mode}: hand-off per round (ms) " + " ".join(f"{r['handoff'] * 1000:.2f}" for r in res[mode]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model")
     ap.add_argument("--skip-transfer", action="store_true")
     ap.add_argument("--skip-latency", action="store_true")
+    ap.add_argument("--skip-handoff", action="store_true")
+    ap.add_argument("--handoff-rounds", type=int, default=5)
+    ap.add_argument("--handoff-requests", type=int, default=4, help="requests per round and mode")
     ap.add_argument("--seconds", type=float, default=40.0)
     ap.add_argument("--speculative-method", default="none")
     args = ap.parse_args()
@@ -182,6 +284,10 @@ def main() -> None:
                 mb = total / 40 / 1e6
                 print(f"{transport:<10}{mb:>8.1f}{total / on_s / 1e9:>15.2f}{total / off_s / 1e9:>13.2f}"
                       f"{total / raw_s / 1e9:>10.2f}{raw_s / on_s:>9.2f}{raw_s / off_s:>11.2f}")
+    if not args.skip_handoff:
+        res = bench_handoff(resolve_model(args.model), args.handoff_rounds, args.handoff_requests,
+                            args.speculative_method)
+        print_handoff(res, args.handoff_rounds, args.handoff_requests, args.speculative_method)
     if not args.skip_latency:
         model = resolve_model(args.model)
         res = bench_latency(model, args.seconds, args.speculative_method)

@@ -112,6 +112,9 @@ class KVTransferConfig:
     # prefill: send an xxh3 checksum of each payload (decode verifies any it gets). Off by default:
     # benchmarks/results/bench_pd.txt measures what it costs against raw ZMQ.
     checksum: bool = False
+    # prefill: when the KV goes out (engine.types.KVTransferMode); benchmarks/results/bench_pd.txt
+    # measures the hand-off latency of both.
+    mode: str = "layerwise"
 
 
 @dataclass

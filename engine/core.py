@@ -21,6 +21,7 @@ from engine.validation import check_prompt
 from kv_transfer.connector import KVConnector
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import RequestUpdate, Scheduler
+from worker.kv_tap import KVTap
 from worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ class EngineCore:
     def set_kv_connector(self, connector: KVConnector) -> None:
         """Before the first request: the connector of this engine's role."""
         self.connector = self.scheduler.connector = connector
+        if connector.taps_layers:  # prefill: attention reports each layer's KV writes to the connector
+            self.runner.kv_tap = KVTap(self.runner.kv_cache, self.config.block_size, connector.tap_target,
+                                       connector.on_layer, connector.snapshots_layers, connector.on_layers_done)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -118,6 +122,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:  # an idle engine process steps too (to reserve KV): skip the runner then
             return []
+        if sched.new_requests:
+            self.connector.on_scheduled([new.req_id for new in sched.new_requests])
         forward_start = time.perf_counter()
         result = self.runner.execute_model(sched)
         forward_end = time.perf_counter()

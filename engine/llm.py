@@ -21,6 +21,8 @@ class RequestOutput:
     text: str | None = None
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # params.prompt_logprobs: [None, token 1, ...]
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
 
 class LLM:
@@ -53,6 +55,10 @@ class LLM:
                 out.token_ids.extend(update.new_token_ids)
                 if out.logprobs is not None:
                     out.logprobs.extend(update.new_logprobs)
+                if update.prompt_logprobs is not None:
+                    out.prompt_logprobs = [None, *update.prompt_logprobs]
+                if update.num_cached_tokens is not None:
+                    out.num_cached_tokens = update.num_cached_tokens
                 if update.finish_reason:
                     out.finish_reason = update.finish_reason
         if self.tokenizer is not None:

@@ -36,6 +36,10 @@ class Output(msgspec.Struct, tag=True):
     retryable: bool = False            # error that a fresh prefill may fix (KV transfer failed)
     queue_time: float | None = None
     transfer_id: str = ""              # PD: the attempt this output belongs to (late ones of old attempts are dropped)
+    # With the first output token only (t0; from P under PD): the prompt's logprobs, when asked for
+    # (tokens 1.., the first has none), and how many prompt tokens the prefix cache served.
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int | None = None
 
 
 class Heartbeat(msgspec.Struct, tag=True):

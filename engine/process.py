@@ -143,7 +143,8 @@ class EngineProcess:
     def _send_updates(self, updates: list[RequestUpdate]) -> None:
         for u in updates:
             self._emit(msg.Output(self.name, u.req_id, u.new_token_ids, u.first_index, u.new_logprobs, u.finish_reason,
-                                  u.error, u.retryable, u.queue_time, u.transfer_id))
+                                  u.error, u.retryable, u.queue_time, u.transfer_id, u.prompt_logprobs,
+                                  u.num_cached_tokens))
 
     def _emit(self, message: msg.Output | msg.Heartbeat) -> None:
         self.link.send(msg.encode(message))

@@ -25,6 +25,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Logprobs of prompt tokens 1.. (token 0 has none), gathered over the prefill's chunks; sent with t0.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache at first admission
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks computed so far
@@ -50,6 +53,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def computes_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked for and not yet delivered (they go out with the first token)."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

@@ -19,6 +19,13 @@ class EngineRole(enum.StrEnum):
     DECODE = "decode"        # D: reserve blocks, pull the KV from P, decode
 
 
+class KVTransferMode(enum.StrEnum):
+    """How a prefill engine ships a prompt's KV (its --kv-transfer-mode)."""
+
+    LAYERWISE = "layerwise"          # each layer as the forward writes it, overlapping the prefill
+    AFTER_PREFILL = "after-prefill"  # the whole prompt's KV in one message once the prefill finished
+
+
 class ServeMode(enum.StrEnum):
     """Which engine roles the front end routes to."""
 
@@ -75,6 +82,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # top-n logprobs per generated token (0: just the sampled token's)
+    # Top-n logprobs per prompt token after the first, as vLLM's prompt_logprobs (0: just the prompt
+    # token's own). Computed where the prompt is prefilled; such a request skips the prefix cache.
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -101,6 +111,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             ("min_tokens", is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
              "an integer in [0, max_tokens]"),
             ("logprobs", self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+             "None or an integer in [0, 20]"),
+            ("prompt_logprobs",
+             self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
              "None or an integer in [0, 20]"),
             ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),

@@ -4,8 +4,10 @@ loop, the engine core and the scheduler call the same methods whatever the role.
 
     colocated  KVConnector        does nothing: the KV never leaves the process
     prefill    PrefillConnector   marks requests to stop after t0; keeps their blocks after they
-                                  finish, sends them to the decode instance that pulls them, and
-                                  frees them on its ack, its release or when the lease runs out
+                                  finish, sends them to the decode instance that pulls them (in
+                                  layer-wise mode: each layer as the forward writes it, through
+                                  the runner's KV tap), and frees them on its ack, its release or
+                                  when the lease runs out
     decode     DecodeConnector    marks requests whose KV comes from a prefill instance; once the
                                   scheduler has reserved their blocks, pulls the KV into them and
                                   reports each transfer done or failed
@@ -14,6 +16,9 @@ Calls, by who makes them:
     process    on_new_request(request, prefill_endpoint), abort(req_id, transfer_id), sockets(), counters(),
                close()
     core       poll() -> (loaded, failed): transfers finished since the last call
+               on_scheduled(req_ids): requests entering a slot this step (D: the hand-off is over)
+    runner     (through the KV tap, prefill only) tap_target(req_id), on_layer(...): a layer's KV
+               of a prompt's positions is written
     scheduler  start_load(request): blocks reserved, fetch the KV (status WAITING_FOR_KV)
                request_finished(request) -> True when the connector now owns the request's blocks
 
@@ -33,7 +38,7 @@ import zmq
 
 from engine.config import ClusterKey, KVTransferConfig
 from engine.request import Request
-from engine.types import EngineRole, FinishReason
+from engine.types import EngineRole, FinishReason, KVTransferMode
 from kv_transfer.handshake import compat_hash, describe_difference
 from kv_transfer.receiver import Completed, Failed, KVReceiver
 from kv_transfer.sender import KVSender
@@ -48,6 +53,8 @@ class KVConnector:
 
     role: EngineRole = EngineRole.COLOCATED
     kv_endpoint: str = ""  # where decode instances dial this engine's KV port (prefill only)
+    taps_layers = False    # the runner reports each layer's KV writes (tap_target, on_layer)
+    snapshots_layers = False  # ... with a host copy of the KV (layer-wise push)
 
     def on_new_request(self, request: Request, prefill_endpoint: str) -> None:
         """Mark what the request needs from KV transfer, before the scheduler sees it."""
@@ -67,6 +74,20 @@ class KVConnector:
         """Serve the KV port(s); the transfers that landed and those that failed since the last poll."""
         return [], []
 
+    def on_scheduled(self, req_ids: list[str]) -> None:
+        """These requests enter a slot in the step about to run."""
+
+    def tap_target(self, req_id: str) -> int | None:
+        """The prompt length whose KV the runner should report for `req_id`, None: not this one."""
+        return None
+
+    def on_layer(self, req_id: str, layer: int, start: int, end: int, kv: torch.Tensor,
+                 ready: torch.cuda.Event | None) -> None:
+        """KV `layer` of positions [start, end) of `req_id`'s prompt is written (`kv`: its host copy)."""
+
+    def on_layers_done(self, req_id: str) -> None:
+        """The forward of the last KV layer over `req_id`'s last prompt chunk is over."""
+
     def sockets(self) -> list[zmq.Socket]:
         """Sockets the process loop should wake up for."""
         return []
@@ -79,18 +100,41 @@ class KVConnector:
 
 
 class PrefillConnector(KVConnector):
-    role = EngineRole.PREFILL
+    """Taps layers in both modes: the end of the last KV layer's forward over a prompt is what the
+    hand-off latency (D's kv_transfer_handoff_seconds) is measured from."""
 
-    def __init__(self, sender: KVSender, kv_endpoint: str) -> None:
+    role = EngineRole.PREFILL
+    taps_layers = True
+
+    def __init__(self, sender: KVSender, kv_endpoint: str, layerwise: bool = False) -> None:
         self.sender = sender
         self.kv_endpoint = kv_endpoint
+        self.snapshots_layers = layerwise
+        self.prefilling: dict[str, Request] = {}
 
     def on_new_request(self, request: Request, prefill_endpoint: str) -> None:
         request.remote_decode = True  # stop after t0: the decode instance generates the rest
         self.sender.supersede(request.req_id, request.kv_transfer_id)  # a retry here: the old attempt is over
+        self.prefilling[request.req_id] = request
+
+    def tap_target(self, req_id: str) -> int | None:
+        request = self.prefilling.get(req_id)
+        return request.prompt_len if request is not None else None
+
+    def on_layer(self, req_id: str, layer: int, start: int, end: int, kv: torch.Tensor,
+                 ready: torch.cuda.Event | None) -> None:
+        request = self.prefilling[req_id]
+        tid = request.kv_transfer_id
+        self.sender.publish_layer(req_id, tid, layer, start, end, request.prompt_len, kv, ready)
+
+    def on_layers_done(self, req_id: str) -> None:
+        self.sender.note_done_time(req_id, self.prefilling[req_id].kv_transfer_id)
 
     def request_finished(self, request: Request) -> bool:
+        if self.prefilling.get(request.req_id) is request:
+            del self.prefilling[request.req_id]
         if request.finish_reason != FinishReason.HANDED_OFF:
+            self.sender.end_stream(request.req_id, request.kv_transfer_id)
             return False  # finished here (t0 was a stop, an abort, an error): nothing to send
         # The sender's lease is the one record of these blocks from now on (freed on ack/expiry).
         self.sender.hold(request.req_id, list(request.block_ids), request.prompt_len, request.output_token_ids[0],
@@ -98,6 +142,10 @@ class PrefillConnector(KVConnector):
         return True
 
     def abort(self, req_id: str, transfer_id: str | None = None) -> None:
+        request = self.prefilling.get(req_id)
+        if request is not None and transfer_id in (None, request.kv_transfer_id):
+            del self.prefilling[req_id]  # also when the scheduler refused it (it never finishes then)
+            self.sender.end_stream(req_id, request.kv_transfer_id)
         self.sender.drop(req_id, "aborted", transfer_id)
 
     def poll(self) -> KVEvents:
@@ -108,7 +156,7 @@ class PrefillConnector(KVConnector):
         return [self.sender.socket]
 
     def counters(self) -> dict[str, float]:
-        return self.sender.stats.as_counters()
+        return self.sender.counters()
 
     def close(self) -> None:
         self.sender.close()
@@ -125,6 +173,7 @@ class DecodeConnector(KVConnector):
         self.receiver = receiver
         self.reserve_deadline_s = reserve_deadline_s
         self.queued: dict[str, tuple[Request, float]] = {}  # waiting for blocks: (request, deadline)
+        self.handed_off: dict[str, float] = {}  # KV landed, first step not yet: P's last-layer time
 
     def on_new_request(self, request: Request, prefill_endpoint: str) -> None:
         request.kv_source = prefill_endpoint  # the scheduler reserves blocks, then start_load pulls
@@ -140,10 +189,21 @@ class DecodeConnector(KVConnector):
         queued = self.queued.get(req_id)
         if queued is not None and transfer_id in (None, queued[0].kv_transfer_id):
             del self.queued[req_id]
+        self.handed_off.pop(req_id, None)
         self.receiver.cancel(req_id, "aborted", transfer_id)
+
+    def on_scheduled(self, req_ids: list[str]) -> None:
+        stats = self.receiver.stats
+        for req_id in req_ids:
+            sent = self.handed_off.pop(req_id, None)
+            if sent:  # wall clock on both sides: meaningful on one host (or NTP-close hosts)
+                stats.handoff_seconds_sum += max(0.0, time.time() - sent)
+                stats.handoff_seconds_count += 1
 
     def poll(self) -> KVEvents:
         done, failed = self.receiver.poll()
+        for item in done:
+            self.handed_off[item.req_id] = item.prefill_done_time
         now = time.monotonic()
         for req_id, (request, deadline) in list(self.queued.items()):
             if deadline < now:
@@ -175,8 +235,10 @@ def get_kv_connector(role: EngineRole, ctx: zmq.Context, kv_cache: torch.Tensor,
     if role == EngineRole.PREFILL:
         sender = KVSender(ctx, kv.addr or "tcp://127.0.0.1:0", kv_cache, chash, desc_text, name,
                           lambda _req_id, blocks: free_blocks(blocks), kv.lease_s, kv.key, kv.checksum,
-                          lambda theirs: describe_difference(compat, theirs), cluster_key)
-        return PrefillConnector(sender, kv.advertise or advertised(sender.address))
+                          lambda theirs: describe_difference(compat, theirs), cluster_key,
+                          layerwise=kv.mode == KVTransferMode.LAYERWISE)
+        return PrefillConnector(sender, kv.advertise or advertised(sender.address),
+                                layerwise=kv.mode == KVTransferMode.LAYERWISE)
     if role == EngineRole.DECODE:
         vocab = (compat.get("config") or {}).get("vocab_size")
         receiver = KVReceiver(ctx, kv_cache, chash, desc_text, name, kv.deadline_s, kv.key, vocab,

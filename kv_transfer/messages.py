@@ -6,6 +6,11 @@ A decode instance (D) connects a DEALER to a prefill instance's (P) ROUTER KV po
     D -> P  PullKV(req_id, transfer_id)      (D has reserved blocks; "send when ready")
     P -> D  [KVHeader, frames...]            per KV layer (MTP included), K then V, one frame per run
                                              of consecutive blocks, straight from the cache's memory
+  layer-wise mode (P's --kv-transfer-mode layerwise), instead of the KVHeader:
+    P -> D  [KVLayer, frame]                 one layer's K and V of prompt positions [start, end), sent
+                                             as soon as P's forward wrote them (any order, repeats allowed)
+    P -> D  KVLayersDone(t0, num_tokens...)  after the last layer: D admits once every layer covers
+                                             [0, num_tokens) (a full KVHeader is also accepted instead)
     P -> D  KVError(req_id, transfer_id, reason)  (P cannot serve it: aborted, lease expired, replaced)
     D -> P  KVAck(req_id, transfer_id)       (P frees its blocks)
     D -> P  KeepAlive(req_ids, transfer_ids) (renews P's lease on those transfers)
@@ -56,6 +61,31 @@ class KVHeader(msgspec.Struct, tag=True):
     transfer_id: str = ""
     sender: str = ""           # P's instance name
     checksum: int | None = None  # xxh3_64 of every frame's bytes in order; None: not computed
+    prefill_done_time: float = 0.0  # wall clock when P finished the forward of the last KV layer (0: unknown)
+
+
+class KVLayer(msgspec.Struct, tag=True):
+    """One frame follows: `[2 (K, V), end - start, kv_heads, head_dim]` of `dtype`, positions in order."""
+
+    req_id: str
+    transfer_id: str
+    sender: str
+    layer: int
+    start: int
+    end: int
+    num_tokens: int            # the prompt's length: positions [0, num_tokens) make the transfer
+    dtype: str
+    checksum: int | None = None  # xxh3_64 of the frame; None: not computed
+
+
+class KVLayersDone(msgspec.Struct, tag=True):
+    req_id: str
+    transfer_id: str
+    sender: str
+    num_tokens: int
+    num_layers: int            # every one of them must cover [0, num_tokens) before D admits
+    t0: int
+    prefill_done_time: float = 0.0
 
 
 class KVError(msgspec.Struct, tag=True):
@@ -85,8 +115,8 @@ class HandshakeRequired(msgspec.Struct, tag=True):
     reason: str
 
 
-Message = (Hello | HelloAck | HelloReject | PullKV | KVHeader | KVError | KVAck | KeepAlive | Release
-           | HandshakeRequired)
+Message = (Hello | HelloAck | HelloReject | PullKV | KVHeader | KVLayer | KVLayersDone | KVError | KVAck
+           | KeepAlive | Release | HandshakeRequired)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

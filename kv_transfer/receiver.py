@@ -8,6 +8,9 @@ error for anything else (an old attempt, another P, a request D never reserved) 
 counted, and answered with a Release so that a P holding blocks for it frees them now. A header
 for the expected transfer is validated against the reservation — token and block counts, t0,
 frame count and sizes, checksum — before a byte is written into KV memory.
+A layer-wise transfer (KVLayer messages, then KVLayersDone) is validated the same way, message by
+message, and lands as it comes: the pull completes once the done message is in and every layer
+(target and MTP) covers the prompt's positions, whatever order the layers came in.
 A refused handshake is tried again with a backoff, so a P restarted with the right key or model
 is used again without restarting D.
 """
@@ -43,6 +46,8 @@ class Pull:
     requested: bool = False
     transfer_id: str = ""
     num_tokens: int | None = None   # the reserved request's prompt length, when known
+    covered: dict[int, list[list[int]]] = field(default_factory=dict)  # layer-wise: layer -> merged [start, end)s
+    layers_done: m.KVLayersDone | None = None
 
 
 @dataclass
@@ -50,6 +55,7 @@ class Completed:
     req_id: str
     t0: int
     num_tokens: int
+    prefill_done_time: float = 0.0  # wall clock when P finished the last KV layer's forward (0: unknown)
 
 
 @dataclass
@@ -198,6 +204,10 @@ class KVReceiver:
             return
         if isinstance(msg, m.KVHeader):
             self._on_header(peer, msg, frames[1:], done, failed)
+        elif isinstance(msg, m.KVLayer):
+            self._on_layer(peer, msg, frames[1:], done, failed)
+        elif isinstance(msg, m.KVLayersDone) and len(frames) == 1:
+            self._on_layers_done(peer, msg, done, failed)
         elif isinstance(msg, m.KVError):
             self._on_error(peer, msg, failed)
         elif len(frames) != 1:  # control messages are one frame
@@ -237,17 +247,110 @@ class KVReceiver:
         self._end(pull)
         error = self._validate(pull, header, frames) or self._write(pull, header, frames)
         if error:
-            self.stats.transfers_failed += 1
-            self.stats.transfers_invalid += 1
-            logger.warning("%s", error)
-            self._send(peer, m.Release(header.req_id, error, header.transfer_id))
-            failed.append(Failed(header.req_id, error))
+            self._invalid(peer, pull, error, failed)
             return
-        self._send(peer, m.KVAck(header.req_id, header.transfer_id))
+        self._landed(peer, pull, Completed(header.req_id, header.t0, header.num_tokens, header.prefill_done_time),
+                     done)
+
+    def _invalid(self, peer: Peer, pull: Pull, error: str, failed: list[Failed]) -> None:
+        """The expected transfer sent something that does not fit: it fails (a fresh prefill may work)."""
+        self._end(pull)
+        self.stats.transfers_failed += 1
+        self.stats.transfers_invalid += 1
+        logger.warning("%s", error)
+        self._send(peer, m.Release(pull.req_id, error, pull.transfer_id))
+        failed.append(Failed(pull.req_id, error))
+
+    def _landed(self, peer: Peer, pull: Pull, item: Completed, done: list[Completed]) -> None:
+        self._end(pull)
+        self._send(peer, m.KVAck(pull.req_id, pull.transfer_id))
         self.stats.transfers_received += 1
         self.stats.latency_seconds_sum += time.monotonic() - pull.started
         self.stats.latency_seconds_count += 1
-        done.append(Completed(header.req_id, header.t0, header.num_tokens))
+        done.append(item)
+
+    # -- layer-wise ----------------------------------------------------------------------
+
+    def _on_layer(self, peer: Peer, msg: m.KVLayer, frames: list, done: list[Completed],
+                  failed: list[Failed]) -> None:
+        pull = self._expected(peer, msg.req_id, msg.transfer_id, msg.sender)
+        if pull is None:  # a cancelled or finished pull's stream still flowing: no answer needed
+            self.stats.dropped_unexpected += 1
+            return
+        error = self._validate_layer(pull, msg, frames)
+        if error:
+            self._invalid(peer, pull, error, failed)
+            return
+        self._write_layer(pull, msg, frames[0].buffer)
+        pull.num_tokens = msg.num_tokens
+        cover(pull.covered.setdefault(msg.layer, []), msg.start, msg.end)
+        self.stats.layers_received += 1
+        self._maybe_complete(peer, pull, done)
+
+    def _on_layers_done(self, peer: Peer, msg: m.KVLayersDone, done: list[Completed], failed: list[Failed]) -> None:
+        pull = self._expected(peer, msg.req_id, msg.transfer_id, msg.sender)
+        if pull is None:  # as for a stray header: P holds blocks for it, which it may free now
+            self.stats.dropped_unexpected += 1
+            self._send(peer, m.Release(msg.req_id, "decode does not expect this transfer", msg.transfer_id))
+            return
+        what = f"malformed layer-wise KV transfer for {pull.req_id} from {pull.endpoint}"
+        error = self._token_count_error(pull, msg.num_tokens, what)
+        if msg.num_layers != self.kv_cache.shape[0]:
+            error = f"{what}: {msg.num_layers} layers, this cache has {self.kv_cache.shape[0]}"
+        elif self.vocab_size is not None and not 0 <= msg.t0 < self.vocab_size:
+            error = f"{what}: t0={msg.t0} is outside the vocabulary [0, {self.vocab_size})"
+        if error:
+            self._invalid(peer, pull, error, failed)
+            return
+        pull.num_tokens, pull.layers_done = msg.num_tokens, msg
+        self._maybe_complete(peer, pull, done)
+
+    def _maybe_complete(self, peer: Peer, pull: Pull, done: list[Completed]) -> None:
+        """Admit once the done message is in and every layer covers [0, num_tokens)."""
+        fin = pull.layers_done
+        if fin is None:
+            return
+        whole = [[0, fin.num_tokens]]
+        if all(pull.covered.get(layer) == whole for layer in range(self.kv_cache.shape[0])):
+            self._landed(peer, pull, Completed(pull.req_id, fin.t0, fin.num_tokens, fin.prefill_done_time), done)
+
+    def _token_count_error(self, pull: Pull, num_tokens: int, what: str) -> str | None:
+        block_size = self.kv_cache.shape[3]
+        if pull.num_tokens is not None and num_tokens != pull.num_tokens:
+            return f"{what}: {num_tokens} tokens, the reserved prompt has {pull.num_tokens}"
+        if num_tokens < 1 or -(-num_tokens // block_size) > len(pull.block_ids):
+            return f"{what}: {num_tokens} tokens do not fit its {len(pull.block_ids)} reserved blocks"
+        return None
+
+    def _validate_layer(self, pull: Pull, msg: m.KVLayer, frames: list) -> str | None:
+        """Why one layer's message does not fit the reservation, or None. Runs before any write."""
+        cache = self.kv_cache
+        what = f"malformed layer-wise KV transfer for {pull.req_id} from {pull.endpoint}"
+        error = self._token_count_error(pull, msg.num_tokens, what)
+        if error:
+            return error
+        if not 0 <= msg.layer < cache.shape[0] or not 0 <= msg.start < msg.end <= msg.num_tokens:
+            return f"{what}: layer {msg.layer} positions [{msg.start}, {msg.end}) of {msg.num_tokens}"
+        if msg.dtype != self.dtype_name or len(frames) != 1:
+            return f"{what}: {len(frames)} frames of {msg.dtype}, expected 1 of {self.dtype_name}"
+        token_bytes = 2 * cache.element_size() * cache[0, 0, 0, 0].numel()
+        if len(frames[0].buffer) != token_bytes * (msg.end - msg.start):
+            return f"truncated KV layer {msg.layer} for {pull.req_id}"
+        if (msg.checksum is not None and self.verify_checksums
+                and frames_checksum([frames[0].buffer]) != msg.checksum):
+            self.stats.checksum_mismatches += 1
+            return f"corrupted KV layer {msg.layer} for {pull.req_id} from {pull.endpoint}: checksum mismatch"
+        return None
+
+    def _write_layer(self, pull: Pull, msg: m.KVLayer, buffer: memoryview) -> None:
+        cache = self.kv_cache
+        block_size, heads, dim = cache.shape[3:]
+        pos = torch.arange(msg.start, msg.end)
+        blocks = torch.tensor(pull.block_ids[: -(-msg.end // block_size)], dtype=torch.long)
+        slots = (blocks[pos // block_size] * block_size + pos % block_size).to(cache.device)
+        data = torch.frombuffer(buffer, dtype=torch.uint8).view(cache.dtype).view(2, -1, heads, dim)
+        cache[msg.layer].view(2, -1, heads, dim).index_copy_(1, slots, data.to(cache.device))
+        self.stats.bytes_received += len(buffer)
 
     def _on_error(self, peer: Peer, msg: m.KVError, failed: list[Failed]) -> None:
         pull = self._expected(peer, msg.req_id, msg.transfer_id)
@@ -341,3 +444,16 @@ class KVReceiver:
     def close(self) -> None:
         for peer in self.peers.values():
             peer.socket.close(0)
+
+
+def cover(spans: list[list[int]], start: int, end: int) -> None:
+    """Add [start, end) to sorted, merged, disjoint `spans` in place (repeats and overlaps are fine)."""
+    spans.append([start, end])
+    spans.sort()
+    merged = [spans[0]]
+    for s, e in spans[1:]:
+        if s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    spans[:] = merged

@@ -8,6 +8,14 @@ Everything is keyed by the transfer's identity (request id, transfer id): a retr
 request is another transfer, and a message for one never touches the other. A transfer that
 ended here (lease expired, aborted, replaced by a newer attempt) is remembered for a while, so a
 decode instance that asks for it later gets a KVError at once instead of waiting out its deadline.
+
+Two ways to ship the KV (`layerwise`, P's --kv-transfer-mode):
+  after-prefill  the whole prompt's KV in one message once the prefill finished (`_send`);
+  layerwise      each layer's KV of each chunk as the forward writes it (`publish_layer`), sent by
+                 the thread that owns the KV port (layer_stream.py), then a small KVLayersDone when
+                 the prefill finished. This thread keeps the protocol; the whole-transfer send is
+                 still the answer to a pull from a connection the stream did not go to (D
+                 re-handshaked), since D accepts either form for any pull.
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ import zmq
 
 from engine.config import ClusterKey, check_bind
 from kv_transfer import messages as m
+from kv_transfer.layer_stream import DoneJob, LayerJob, LayerStreamer
 from kv_transfer.stats import TransferStats
 
 logger = logging.getLogger(__name__)
@@ -43,6 +52,7 @@ class HeldKV:
     transfer_id: str = ""
     requester: bytes | None = None   # D's identity once it asked
     sent: bool = False
+    streamed: bool = False           # layer-wise: the layers went (or go) out on the stream
 
 
 @dataclass
@@ -74,20 +84,27 @@ class KVSender:
     def __init__(self, ctx: zmq.Context, bind_addr: str, kv_cache: torch.Tensor, compat_hash: str,
                  description: str, name: str, release_blocks: Callable[[str, list[int]], None], lease_s: float = 30.0,
                  key: str = "", checksum: bool = False, compare: Callable[[str], str] | None = None,
-                 cluster_key: ClusterKey | None = None) -> None:
+                 cluster_key: ClusterKey | None = None, layerwise: bool = False) -> None:
         """`compare(peer_description)` names what differs from a refused peer's layout (handshake.py);
-        with `cluster_key` the port is CURVE-only: decode instances must hold the cluster key."""
-        self.socket = ctx.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)  # D sends only small control messages
+        with `cluster_key` the port is CURVE-only: decode instances must hold the cluster key;
+        `layerwise`: a thread owns the port and streams layers (`publish_layer`)."""
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)  # D sends only small control messages
         check_bind(bind_addr, cluster_key, "prefill KV port")
         self.auth = None
         if cluster_key is not None:
-            cluster_key.secure_server(self.socket)
+            cluster_key.secure_server(router)
             self.auth = cluster_key.authenticator(ctx)
-        self.socket.bind(bind_addr)
-        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        router.bind(bind_addr)
+        self.address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Layer-wise: the stream thread owns the ROUTER from here on; this thread talks through it.
+        self.streamer = LayerStreamer(ctx, router, name, checksum) if layerwise else None
+        self.socket = self.streamer.engine_socket if self.streamer else router
+        self.streams: set[Key] = set()            # transfers with layers on the stream
+        self.first_puller: dict[Key, bytes] = {}  # layer-wise: the connection the stream goes to
+        self.done_times: dict[Key, float] = {}    # wall clock when the prompt's last KV layer was written
         self.kv_cache = kv_cache
         self.compat_hash, self.description, self.name = compat_hash, description, name
         self.release_blocks = release_blocks
@@ -114,7 +131,27 @@ class KVSender:
         pull = self.pulls.pop(key, None)
         if pull is not None:
             held.requester = pull.requester
+        if key in self.streams and (pull is None or pull.requester == self.first_puller.get(key)):
+            self._complete_stream(held)  # D gets it on the stream's route, as soon as that is known
+        elif pull is not None:
             self._send(held)
+
+    def publish_layer(self, req_id: str, transfer_id: str, layer: int, start: int, end: int, num_tokens: int,
+                      kv: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+        """Layer-wise: `kv` ([2, end - start, heads, dim], a host copy) of prompt positions
+        [start, end) of `layer` is written; queue it for the stream (never blocks)."""
+        assert self.streamer is not None, "publish_layer needs a layer-wise sender"
+        key = (req_id, transfer_id)
+        self.streams.add(key)
+        self.streamer.submit(LayerJob(key, layer, start, end, num_tokens, kv, ready))
+
+    def note_done_time(self, req_id: str, transfer_id: str) -> None:
+        """The forward of the prompt's last KV layer is over (what the hand-off latency is measured from)."""
+        self.done_times[(req_id, transfer_id)] = time.time()
+
+    def end_stream(self, req_id: str, transfer_id: str) -> None:
+        """The request finished here without a hand-off: drop whatever of it is still queued."""
+        self._forget((req_id, transfer_id))
 
     def supersede(self, req_id: str, transfer_id: str, pulls: bool = True) -> None:
         """A new attempt `transfer_id` of `req_id` is ours now (its Submit arrived): release any older
@@ -186,15 +223,19 @@ class KVSender:
         if held is None:
             if key in self.ended:  # it ended here already: say so now, not at D's deadline
                 self._send_msg(identity, m.KVError(key[0], self.ended[key], key[1]))
-            else:
-                self.pulls[key] = PendingPull(identity, now + self.lease_s)
+                return
+            if self.streamer is not None:
+                self.first_puller.setdefault(key, identity)  # the stream thread routes by the same rule
+            self.pulls[key] = PendingPull(identity, now + self.lease_s)
             return
         # A pull from a new connection (D re-handshaked after a reconnect): the first copy went
         # to a connection that no longer exists, so send again. D ignores a duplicate.
         resend = held.sent and held.requester != identity
+        if held.streamed:  # the stream follows the first pull; only another connection needs a resend
+            resend = identity != self.first_puller.setdefault(key, identity)
         held.requester = identity
         held.deadline = now + self.lease_s
-        if not held.sent or resend:
+        if (not held.sent and not held.streamed) or resend:
             self._send(held)
 
     def _on_keepalive(self, identity: bytes, msg: m.KeepAlive) -> None:
@@ -222,6 +263,8 @@ class KVSender:
             self._send_msg(identity, m.HelloReject(reason))
             return
         self.peers.add(identity)
+        if self.streamer is not None:  # before the HelloAck: the stream may trust this peer's pulls
+            self.streamer.peer_ready(identity)
         self._send_msg(identity, m.HelloAck(self.name))
 
     def _send(self, held: HeldKV) -> None:
@@ -241,19 +284,39 @@ class KVSender:
                     frames.append(memoryview(part.view(torch.uint8).numpy()).cast("B"))
         header = m.KVHeader(held.req_id, held.num_tokens, num_blocks, held.t0, [n for _, n in runs],
                             list(cache.shape[3:]), str(cache.dtype).removeprefix("torch."), held.transfer_id,
-                            self.name, frames_checksum(frames) if self.checksum else None)
+                            self.name, frames_checksum(frames) if self.checksum else None,
+                            self.done_times.get((held.req_id, held.transfer_id), 0.0))
         self.socket.send_multipart([held.requester, m.encode(header), *frames], copy=False)
         held.sent = True
         self.stats.transfers_sent += 1
         self.stats.bytes_sent += sum(f.nbytes for f in frames)
 
+    def _complete_stream(self, held: HeldKV) -> None:
+        assert self.streamer is not None
+        key = (held.req_id, held.transfer_id)
+        done = m.KVLayersDone(held.req_id, held.transfer_id, self.name, held.num_tokens, self.kv_cache.shape[0],
+                              held.t0, self.done_times.get(key, 0.0))
+        self.streamer.submit(DoneJob(key, done))
+        held.streamed = held.sent = True
+        self.stats.transfers_sent += 1
+
+    def _forget(self, key: Key) -> None:
+        """The transfer is over here: drop its layer-wise state (and what the stream still holds)."""
+        self.done_times.pop(key, None)
+        self.first_puller.pop(key, None)
+        self.streams.discard(key)
+        if self.streamer is not None:  # also when nothing was streamed: its route may be known there
+            self.streamer.forget(key)
+
     def _release(self, key: Key) -> None:
+        self._forget(key)
         held = self.held.pop(key, None)
         if held is not None:
             self.release_blocks(held.req_id, held.block_ids)
 
     def _end(self, key: Key, reason: str) -> None:
         """The transfer cannot be served any more: free its blocks, tell D if it asked, remember why."""
+        self._forget(key)
         held = self.held.pop(key, None)
         pull = self.pulls.pop(key, None)
         requester = held.requester if held else (pull.requester if pull else None)
@@ -281,7 +344,17 @@ class KVSender:
         for key in [k for k, p in self.pulls.items() if p.deadline < now]:
             self._end(key, f"prefill {self.name} never had the KV within {self.lease_s:g} s")
 
+    def counters(self) -> dict[str, float]:
+        out = self.stats.as_counters()
+        if self.streamer is not None:  # written by the stream thread: read, never reset here
+            out["kv_transfer_layers_sent"] = float(self.streamer.layers_sent)
+            out["kv_transfer_bytes_sent"] += float(self.streamer.bytes_sent)
+        return out
+
     def close(self) -> None:
-        self.socket.close(0)
+        if self.streamer is not None:
+            self.streamer.close()  # closes the ROUTER in its own thread
+        else:
+            self.socket.close(0)
         if self.auth is not None:
             self.auth.stop()

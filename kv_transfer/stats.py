@@ -20,6 +20,9 @@ class TransferStats:
     handshakes_rejected: int = 0
     latency_seconds_sum: float = 0.0  # D: pull request -> KV in place
     latency_seconds_count: int = 0
+    layers_received: int = 0         # D: layer-wise messages written into KV memory
+    handoff_seconds_sum: float = 0.0  # D: P done with the last KV layer's forward -> the first step here
+    handoff_seconds_count: int = 0
 
     def as_counters(self) -> dict[str, float]:
         return {f"kv_transfer_{k}": float(v) for k, v in asdict(self).items()}

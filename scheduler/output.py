@@ -16,6 +16,7 @@ class NewRequestData:
     num_computed_tokens: int
     block_ids: list[int]
     sampling_params: SamplingParams
+    compute_prompt_logprobs: bool = False  # log_softmax over the prompt positions this slot prefills
 
 
 @dataclass
@@ -53,3 +54,6 @@ class RunnerOutput:
     sampled_token_ids: list[list[int]]        # per request: accepted tokens ([] for a mid-prefill chunk)
     draft_token_ids: list[list[int]]          # per request: drafts proposed for the next step
     logprobs: list[list[TokenLogprobs]] | None = None
+    # Per request that asked for them: logprobs of the prompt tokens whose predicting position ran
+    # this step (prompt token i's comes from position i - 1), in order.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

@@ -66,6 +66,9 @@ class RequestUpdate:
     error: str | None = None
     retryable: bool = False            # an error a fresh prefill may fix (the KV transfer failed)
     transfer_id: str = ""              # PD: the attempt the request belongs to (Request.kv_transfer_id)
+    # With the request's first token only (t0: on P under PD):
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. when asked for
+    num_cached_tokens: int | None = None                # prompt tokens that were prefix-cache hits
 
 
 class Scheduler:
@@ -196,7 +199,10 @@ class Scheduler:
                 break
             if request.kv_source or (blocked and not request.block_ids):
                 continue
-            cached = self.blocks.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            # Prompt logprobs need every prompt position's logits, which cached blocks do not hold:
+            # such a request skips the cache (as vLLM does), and reports 0 cached tokens.
+            lookup = request.num_computed_tokens == 0 and not request.computes_prompt_logprobs
+            cached = self.blocks.find_cached_prefix(request) if lookup else []
             num_computed = request.num_computed_tokens + len(cached) * self.blocks.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if self.blocks.allocate(request, num_new + self.num_lookahead_tokens, cached) is None:
@@ -205,13 +211,14 @@ class Scheduler:
             self.waiting.remove(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = len(cached) * self.blocks.block_size
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.new_requests.append(NewRequestData(
                 req_id=request.req_id, prompt_len=request.prompt_len, all_token_ids=list(request.all_token_ids),
                 num_computed_tokens=num_computed, block_ids=list(request.block_ids),
-                sampling_params=request.sampling_params))
+                sampling_params=request.sampling_params, compute_prompt_logprobs=request.computes_prompt_logprobs))
             out.num_scheduled_tokens[request.req_id] = num_new
             budget -= num_new
 
@@ -224,6 +231,7 @@ class Scheduler:
             self._account(request, sched, result.sampled_token_ids[idx])
             request.spec_token_ids = list(result.draft_token_ids[idx]) if result.draft_token_ids else []
             self.blocks.cache_full_blocks(request)
+            request.prompt_logprobs.extend(result.prompt_logprobs.get(req_id, ()))
             update = self._append_tokens(request, result.sampled_token_ids[idx],
                                          result.logprobs[idx] if result.logprobs else [])
             if update is not None:
@@ -268,13 +276,20 @@ class Scheduler:
         if first == 0 and request.first_scheduled_time is not None:
             queue_time = request.first_scheduled_time - request.arrival_time
         reason = None if finish == FinishReason.HANDED_OFF else finish
-        return RequestUpdate(request.req_id, new_tokens, logprobs[: len(new_tokens)], reason, first, queue_time,
-                             transfer_id=request.kv_transfer_id)
+        update = RequestUpdate(request.req_id, new_tokens, logprobs[: len(new_tokens)], reason, first, queue_time,
+                               transfer_id=request.kv_transfer_id)
+        if first == 0 and new_tokens:
+            update.num_cached_tokens = request.num_cached_tokens
+            if request.sampling_params.prompt_logprobs is not None:
+                update.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []  # sent: not kept
+        return update
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free_request(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        if request.computes_prompt_logprobs:
+            request.prompt_logprobs = []  # the prefill starts over, and computes them again
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

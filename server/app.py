@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front end: `build_app(client, tokenizer, model_name, ...)`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events or
-not), GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize. Each route
+not), GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize, and the live
+status page GET /status with its GET /status.json (server/status.py). Each route
 is a few lines over the serving layer (server/serving.py, completions.py, chat.py).
 
 Order of checks on /v1 generation routes: API key (401) -> capacity (429 + Retry-After) ->
@@ -35,6 +36,7 @@ from server.openai_schemas import (
 from server.protocol import EngineClient
 from server.responses import DetokenizeResponse, HealthResponse, ModelCard, ModelList, TokenizeResponse
 from server.serving import Serving
+from server.status import add_status_routes
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | N
     gate = _Gate(serving, api_key, max_body_bytes)
     _add_generation_routes(app, gate)
     _add_other_routes(app, gate, serving, client)
+    add_status_routes(app, client, gate.check_auth)
     return app
 
 
@@ -80,10 +83,13 @@ class _Gate:
     def __init__(self, serving: Serving, api_key: str | None, max_body_bytes: int) -> None:
         self.serving, self.api_key, self.max_body_bytes = serving, api_key, max_body_bytes
 
-    def check_auth(self, request: Request) -> None:
+    def check_auth(self, request: Request, allow_query_key: bool = False) -> None:
+        """`allow_query_key`: `?key=` may stand for the header (a page a browser opens: /status)."""
         if self.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if allow_query_key and not scheme:
+            scheme, token = "bearer", request.query_params.get("key", "")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             self.serving.metrics.http_rejected.labels(status="401").inc()
             raise APIError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",

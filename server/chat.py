@@ -57,7 +57,7 @@ def _choices(serving: Serving, req: ChatCompletionRequest,
     serving.check_prompt(ids)
     request_id = serving.new_request_id("chatcmpl")
     choices = [serving.new_choice(i, request_id, ids,
-                                  serving.sampling_params(req, len(ids), max_tokens, logprobs, i, grammar),
+                                  serving.sampling_params(req, len(ids), max_tokens, logprobs, i, grammar=grammar),
                                   stops, req, arrival) for i in range(req.n)]
     return request_id, ids, choices, tools
 
@@ -72,6 +72,7 @@ class ChatFormat:
         self.tool_parsers = {c.index: ToolCallParser() for c in choices} if tools.parses else {}
         self.head = dict(id=request_id, created=int(time.time()), model=serving.model_name)
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.continuous_usage = self.include_usage and req.stream_options.continuous_usage_stats
 
     def _logprobs(self, lps: list[TokenLogprobs]) -> ChatLogprobs | None:
         return self.serving.chat_logprobs(lps) if self.req.logprobs else None

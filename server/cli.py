@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from engine.config import EngineConfig, ModelConfig, default_max_model_len, default_model
-from engine.types import EngineRole, ServeMode
+from engine.types import EngineRole, KVTransferMode, ServeMode
 
 logger = logging.getLogger("pdserve")
 
@@ -52,6 +52,10 @@ def _env(flag: str) -> str:
     return "PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
 
 
+KV_MODE_HELP = ("layerwise | after-prefill: push each layer's KV as the prefill writes it, or all of it after "
+                "(benchmarks/results/bench_pd.txt)")
+
+
 def add_flag(p: argparse.ArgumentParser, flag: str, typ, default, help_: str) -> None:
     env = os.environ.get(_env(flag))
     p.add_argument(flag, type=typ, default=typ(env) if env is not None else default, help=f"{help_} [{_env(flag)}]")
@@ -61,6 +65,11 @@ def add_switch(p: argparse.ArgumentParser, flag: str, help_: str) -> None:
     """An on/off flag, also on when its environment variable is 1/true/yes."""
     env = os.environ.get(_env(flag), "").lower() in ("1", "true", "yes")
     p.add_argument(flag, action="store_true", default=env, help=f"{help_} [{_env(flag)}=1]")
+
+
+def add_kv_payload_flags(p: argparse.ArgumentParser, who: str, checksum_help: str) -> None:
+    add_switch(p, "--kv-checksum", checksum_help)
+    add_flag(p, "--kv-transfer-mode", KVTransferMode, KVTransferMode.LAYERWISE, who + KV_MODE_HELP)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -121,7 +130,8 @@ def cmd_engine(args: argparse.Namespace) -> None:
                        on_engine=health.attach if health else None,
                        kv_addr=args.kv_addr, kv_advertise=args.kv_advertise, kv_key=args.kv_key,
                        kv_lease_s=args.kv_lease_s, kv_deadline_s=args.kv_deadline_s,
-                       kv_reserve_deadline_s=args.kv_reserve_deadline_s, kv_checksum=args.kv_checksum)
+                       kv_reserve_deadline_s=args.kv_reserve_deadline_s, kv_checksum=args.kv_checksum,
+                       kv_mode=args.kv_transfer_mode)
 
 
 def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str) -> None:
@@ -184,6 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 argv += ["--kv-key", args.kv_key]
             if args.kv_checksum:
                 argv += ["--kv-checksum"]
+            argv += ["--kv-transfer-mode", args.kv_transfer_mode]
             children.append(subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], env=env))
             if args.cpu_affinity == "pin":
                 os.sched_setaffinity(children[-1].pid, engine_cpus(len(children) - 1, threads, cores))
@@ -272,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(serve, "--num-prefill", int, 1, "prefill engine processes")
     add_flag(serve, "--num-decode", int, 1, "decode engine processes")
     add_flag(serve, "--kv-key", str, "", "shared key required on the KV port")
-    add_switch(serve, "--kv-checksum", "checksum every KV payload (xxh3), verified before admission")
+    add_kv_payload_flags(serve, "", "checksum every KV payload (xxh3), verified before admission")
     add_flag(serve, "--cpu-affinity", str, "none", "pin | none: pin each engine process to its own cores")
     add_flag(serve, "--prefill-threads", int, None, "torch threads of each prefill engine (default: --num-threads)")
     serve.set_defaults(func=cmd_serve)
@@ -289,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_flag(p, "--kv-deadline-s", float, 60.0, "decode: give up a KV transfer after this long")
         add_flag(p, "--kv-reserve-deadline-s", float, 20.0,
                  "decode: fail a request (retryable) that got no KV blocks within this long")
-        add_switch(p, "--kv-checksum", "prefill: checksum every KV payload (xxh3); decode verifies any it gets")
+        add_kv_payload_flags(p, "prefill: ", "prefill: checksum every KV payload (xxh3); decode verifies any it gets")
         add_flag(p, "--health-port", int, None, "serve GET /health on this port (0.0.0.0) for probes; off by default")
         p.set_defaults(func=cmd_engine)
 

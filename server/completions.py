@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.types import TokenLogprobs
 from server.errors import APIError
 from server.openai_schemas import CompletionRequest
-from server.responses import CompletionChoice, CompletionResponse, Usage
+from server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from server.serving import MAX_CHOICES, Choice, Delta, Serving, check_logprobs_count, usage
 from server.streaming import stream_response
 from server.structured import response_format_grammar
@@ -33,8 +33,6 @@ def _choices(serving: Serving, req: CompletionRequest, arrival: float) -> tuple[
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     check_logprobs_count(req.logprobs, "logprobs")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo: echo together with logprobs (prompt logprobs) is not supported", param="echo")
     grammar = response_format_grammar(req.response_format)
     prompts = _prompts(serving, req)
     if len(prompts) * req.n > MAX_CHOICES:
@@ -44,7 +42,9 @@ def _choices(serving: Serving, req: CompletionRequest, arrival: float) -> tuple[
     for p_idx, ids in enumerate(prompts):
         for j in range(req.n):
             idx = p_idx * req.n + j
-            params = serving.sampling_params(req, len(ids), req.max_tokens, req.logprobs, idx, grammar)
+            # echo + logprobs: the prompt's logprobs too, with as many alternatives (OpenAI's legacy API).
+            params = serving.sampling_params(req, len(ids), req.max_tokens, req.logprobs, idx,
+                                             prompt_logprobs=req.logprobs if req.echo else None, grammar=grammar)
             c = serving.new_choice(idx, request_id, ids, params, stops, req, arrival)
             if req.echo:
                 c.prompt_text = serving.decode(ids)
@@ -73,6 +73,13 @@ def _prompts(serving: Serving, req: CompletionRequest) -> list[list[int]]:
     return out
 
 
+def _concat(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> CompletionLogprobs | None:
+    if a is None or b is None:
+        return a or b
+    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
+
+
 class CompletionFormat:
     """text_completion objects: the whole response, or one stream chunk at a time."""
 
@@ -80,13 +87,17 @@ class CompletionFormat:
         self.serving, self.req, self.choices = serving, req, choices
         self.head = dict(id=request_id, created=int(time.time()), model=serving.model_name)
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.continuous_usage = self.include_usage and req.stream_options.continuous_usage_stats
 
     def choice(self, c: Choice, text: str, ids: list[int], lps: list[TokenLogprobs] | None, finish: str | None,
                first: bool) -> CompletionChoice:
-        """`lps` None: no logprobs field value (the echo preamble of a stream)."""
+        """`lps` None: no logprobs of generated tokens (the echo preamble of a stream). `first`: the
+        choice's first object, which with echo holds the prompt (and its logprobs)."""
         logprobs = None
         if self.req.logprobs is not None and lps is not None:
             logprobs = self.serving.completion_logprobs(c, lps)
+        if self.req.logprobs is not None and first and self.req.echo:
+            logprobs = _concat(self.serving.echo_logprobs(c), logprobs)
         out = CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=finish)
         if finish is not None:
             out.stop_reason = c.stop_reason

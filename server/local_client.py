@@ -42,7 +42,9 @@ class _Sink:
 def _merge(a: GenerationChunk, b: GenerationChunk) -> GenerationChunk:
     """Coalesce two queued chunks of one request (a slow consumer gets fewer, larger chunks)."""
     return GenerationChunk(a.token_ids + b.token_ids, a.logprobs + b.logprobs, b.finish_reason, b.error,
-                           a.queue_time if a.queue_time is not None else b.queue_time)
+                           a.queue_time if a.queue_time is not None else b.queue_time,
+                           a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+                           a.num_cached_tokens if a.num_cached_tokens is not None else b.num_cached_tokens)
 
 
 def _deliver(items: list[tuple[asyncio.Queue, GenerationChunk]]) -> None:
@@ -207,7 +209,8 @@ class LocalEngineClient:
             if sink is None:
                 continue
             chunk = GenerationChunk(list(u.new_token_ids), list(u.new_logprobs), u.finish_reason,
-                                    queue_time=sink.queue_time)
+                                    queue_time=sink.queue_time, prompt_logprobs=u.prompt_logprobs,
+                                    num_cached_tokens=u.num_cached_tokens)
             sink.queue_time = None  # delivered once
             if u.finish_reason is not None:
                 del self._sinks[u.req_id]

@@ -68,10 +68,21 @@ class _InstanceCollector:
                 family.add_metric([info.name, info.role], float(value(info)))
             yield family
         yield from _engine_counters(infos)
-        for key, val in (self._counters() if self._counters else {}).items():  # the front end's own
-            family = CounterMetricFamily(metric_name(key), f"Front end counter {key}.")
+        own = dict.fromkeys(FAILOVER_COUNTERS, 0.0) | (self._counters() if self._counters else {})
+        for key, val in own.items():  # the front end's own
+            name, doc = FAILOVER_COUNTERS.get(key, (metric_name(key), f"Front end counter {key}."))
+            family = CounterMetricFamily(name, doc)
             family.add_metric([], float(val))
             yield family
+
+
+# The router client's failover counters (its `counters()` keys), exported under fixed names (0 until
+# the first resume) because the Grafana dashboard (deploy/grafana/) and alerts are written against them.
+FAILOVER_COUNTERS = {
+    "resumed": ("pdserve_requests_resumed", "Requests resumed on another instance after theirs died."),
+    "failed_after_resume": ("pdserve_requests_failed_after_resume",
+                            "Resumed requests that still ended in an error."),
+}
 
 
 # Indexed counters are labelled `position` (the draft position) unless named here.

@@ -24,6 +24,7 @@ from engine.config import ClusterKey, check_bind
 from engine.types import EngineRole, FinishReason, SamplingParams, ServeMode
 from engine.validation import check_prompt
 from server.protocol import EngineUnavailableError, GenerationChunk, InstanceInfo
+from server.timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class RemoteEngineClient:
         # so with 2 P and 1 D every prefill would land on the same P.
         self._rr = {role: itertools.count() for role in EngineRole}
         self._tasks: list[asyncio.Task] = []
+        self.timeline = Timeline()  # recent requests, for /status
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -142,6 +144,8 @@ class RemoteEngineClient:
             while True:
                 chunk = await tracked.queue.get()
                 finished = chunk.finish_reason is not None
+                if finished:
+                    self.timeline.finished(request_id, chunk.finish_reason, chunk.error)
                 yield chunk
                 if finished:
                     return
@@ -197,6 +201,7 @@ class RemoteEngineClient:
             tracked.prefill = tracked.decode = inst.name
             inst.outstanding.add(tracked.req_id)
             self._send(inst.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params))
+            self.timeline.dispatched(tracked.req_id, len(tracked.prompt), inst.name, inst.name)
             return
         p = self._pick(EngineRole.PREFILL, exclude=avoid_prefill) or (
             self._pick(EngineRole.PREFILL) if avoid_prefill else None)
@@ -212,6 +217,7 @@ class RemoteEngineClient:
         tid = tracked.transfer_id
         self._send(d.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params, p.heartbeat.kv_endpoint, tid))
         self._send(p.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params, transfer_id=tid))
+        self.timeline.dispatched(tracked.req_id, len(tracked.prompt), p.name, d.name)
 
     def _retry_or_fail(self, tracked: Tracked, reason: str) -> None:
         """A fresh prefill on another P if allowed, else a clear error to the client."""
@@ -238,6 +244,7 @@ class RemoteEngineClient:
             logger.warning("could not send to %s: %s", name, e)
 
     def _forget(self, tracked: Tracked) -> None:
+        self.timeline.finished(tracked.req_id, FinishReason.ABORT)  # unless its stream already ended
         if self.tracked.get(tracked.req_id) is tracked:
             del self.tracked[tracked.req_id]
         for inst in self.table.values():
@@ -284,6 +291,7 @@ class RemoteEngineClient:
 
     def _deliver(self, tracked: Tracked, out: msg.Output) -> None:
         tracked.next_index += len(out.token_ids)
+        self.timeline.output(tracked.req_id, out.instance, len(out.token_ids))
         if out.token_ids:
             tracked.got_first = True
         if out.instance == tracked.decode and tracked.decode != tracked.prefill and not tracked.decode_started:
@@ -296,7 +304,8 @@ class RemoteEngineClient:
             # D failed it for good (no retry): P may still hold the KV for it; free it now, not at lease end.
             self._send(tracked.prefill, msg.Abort(tracked.req_id, tracked.transfer_id))
         tracked.queue.put_nowait(GenerationChunk(list(out.token_ids), list(out.logprobs), out.finish_reason, out.error,
-                                                 queue_time=out.queue_time))
+                                                 queue_time=out.queue_time, prompt_logprobs=out.prompt_logprobs,
+                                                 num_cached_tokens=out.num_cached_tokens))
 
     async def _watch_instances(self) -> None:
         announced_dead: set[str] = set()

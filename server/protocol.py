@@ -21,6 +21,10 @@ class GenerationChunk:
     # Seconds the request waited in the engine before it was first scheduled; set on one chunk
     # (the first) by clients that know it, feeds pdserve:request_queue_time_seconds.
     queue_time: float | None = None
+    # On the chunk with the first token: the prompt's logprobs when asked for (tokens 1..; token 0
+    # has none) and the prompt tokens the prefix cache served.
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int | None = None
 
 
 @dataclass

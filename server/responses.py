@@ -26,16 +26,21 @@ class _Response(BaseModel):
         return self.model_dump()
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # in a request's total usage, not per chunk
 
 
 class CompletionLogprobs(_Response):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]         # None for the first prompt token (echo)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

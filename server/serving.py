@@ -33,7 +33,7 @@ from server.openai_schemas import (
     CompletionRequest,
 )
 from server.protocol import EngineClient, EngineUnavailableError, GenerationChunk
-from server.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob, Usage
+from server.responses import ChatLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,8 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. (params.prompt_logprobs)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
@@ -86,6 +88,10 @@ class Choice:
         now = time.monotonic()
         if chunk.queue_time is not None:
             metrics.queue_time.observe(chunk.queue_time)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = list(chunk.prompt_logprobs)
+        if chunk.num_cached_tokens is not None:
+            self.num_cached_tokens = chunk.num_cached_tokens
         ids = list(chunk.token_ids)
         if ids:
             if self.last_chunk is None:
@@ -243,7 +249,7 @@ class Serving:
 
     def sampling_params(self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int,
                         max_tokens: int | None, logprobs: int | None, choice_index: int,
-                        grammar: GrammarSpec | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, grammar: GrammarSpec | None = None) -> SamplingParams:
         with input_errors():
             max_tokens = resolve_max_tokens(prompt_len, max_tokens, self.client.max_model_len)
         seed = None if req.seed is None else req.seed + choice_index
@@ -259,6 +265,7 @@ class Serving:
                 ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
                 presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
@@ -425,6 +432,21 @@ class Serving:
     # -- logprobs formatting -------------------------------------------------------------
 
     def completion_logprobs(self, choice: Choice, logprobs: list[TokenLogprobs]) -> CompletionLogprobs:
+        out, choice.text_offset = self._completion_logprobs(logprobs, choice.text_offset)
+        return out
+
+    def echo_logprobs(self, choice: Choice) -> CompletionLogprobs | None:
+        """The prompt's part of an `echo` answer's logprobs: its first token has none (null), as in
+        OpenAI's completions; offsets count from the start of the prompt."""
+        if choice.prompt_logprobs is None:
+            return None
+        head = self.token_texts.text(choice.prompt_ids[0])
+        rest, _ = self._completion_logprobs(choice.prompt_logprobs, len(head))
+        return CompletionLogprobs(tokens=[head, *rest.tokens], token_logprobs=[None, *rest.token_logprobs],
+                                  top_logprobs=[None, *rest.top_logprobs], text_offset=[0, *rest.text_offset])
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprobs], offset: int) -> tuple[CompletionLogprobs, int]:
+        """The logprobs object of these tokens, the first at character `offset`; and the offset after them."""
         tt = self.token_texts
         tokens, token_logprobs, top, offsets = [], [], [], []
         for lp in logprobs:
@@ -435,9 +457,10 @@ class Serving:
             for t, v in [(lp.token_id, lp.logprob), *lp.top]:
                 entry[tt.text(t)] = max(_finite(v), entry.get(tt.text(t), _NEG_INF_LOGPROB))
             top.append(entry)
-            offsets.append(choice.text_offset)
-            choice.text_offset += len(text)
-        return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
+            offsets.append(offset)
+            offset += len(text)
+        out = CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=offsets)
+        return out, offset
 
     def chat_logprobs(self, logprobs: list[TokenLogprobs]) -> ChatLogprobs:
         tt = self.token_texts
@@ -467,11 +490,24 @@ def unavailable(message: str) -> APIError:
 
 
 def usage(choices: list[Choice]) -> Usage:
+    """A request's total usage. A prompt shared by n choices counts once, and so do its cached tokens:
+    the most any of its choices had served by the prefix cache."""
     prompts = {id(c.prompt_ids): len(c.prompt_ids) for c in choices}
+    cached: dict[int, int] = {}
+    for c in choices:
+        cached[id(c.prompt_ids)] = max(cached.get(id(c.prompt_ids), 0), c.num_cached_tokens)
     prompt_tokens = sum(prompts.values())
     completion_tokens = sum(len(c.token_ids) for c in choices)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())))
+
+
+def choice_usage(choice: Choice, num_completion_tokens: int) -> Usage:
+    """One choice's usage so far, for stream_options.continuous_usage_stats (as vLLM sends it)."""
+    prompt_tokens = len(choice.prompt_ids)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=num_completion_tokens,
+                 total_tokens=prompt_tokens + num_completion_tokens)
 
 
 def check_logprobs_count(value: int | None, param: str) -> None:

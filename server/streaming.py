@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 from engine.types import FinishReason
 from server.errors import error_body
 from server.responses import Usage
-from server.serving import Choice, Delta, Serving, sse, usage
+from server.serving import Choice, Delta, Serving, choice_usage, sse, usage
 
 
 class StreamFormat(Protocol):
@@ -23,6 +23,27 @@ class StreamFormat(Protocol):
     def usage_chunk(self, usage: Usage) -> dict: ...
 
     include_usage: bool
+    continuous_usage: bool  # stream_options.continuous_usage_stats (with include_usage)
+
+
+class ContinuousUsage:
+    """stream_options.continuous_usage_stats, as vLLM does it: every chunk carries the usage of its
+    choice so far, completion_tokens counting every token streamed up to and with that chunk (a
+    speculative step's several tokens included)."""
+
+    def __init__(self, choices: list[Choice], enabled: bool) -> None:
+        self.enabled = enabled
+        self.by_index = {c.index: c for c in choices}
+        self.streamed = dict.fromkeys(self.by_index, 0)
+
+    def count(self, choice: Choice, delta: Delta) -> None:
+        self.streamed[choice.index] += len(delta.token_ids)
+
+    def stamp(self, chunk: dict) -> dict:
+        if self.enabled and chunk.get("choices"):
+            index = chunk["choices"][0]["index"]
+            chunk["usage"] = choice_usage(self.by_index[index], self.streamed[index]).body()
+        return chunk
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -54,10 +75,11 @@ async def stream_response(request: Request, serving: Serving, choices: list[Choi
         release()
 
     async def body() -> AsyncIterator[str]:
+        counter = ContinuousUsage(choices, fmt.continuous_usage)
         try:
             for chunk in fmt.preamble():
-                yield sse(chunk)
-            async for line in _events(events, len(choices), fmt):
+                yield sse(counter.stamp(chunk))
+            async for line in _events(events, len(choices), fmt, counter):
                 yield line
             if fmt.include_usage:
                 yield sse(fmt.usage_chunk(usage(choices)))
@@ -69,7 +91,8 @@ async def stream_response(request: Request, serving: Serving, choices: list[Choi
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _events(events: asyncio.Queue, num_choices: int, fmt: StreamFormat) -> AsyncIterator[str]:
+async def _events(events: asyncio.Queue, num_choices: int, fmt: StreamFormat,
+                  counter: ContinuousUsage) -> AsyncIterator[str]:
     remaining = num_choices
     while remaining:
         choice, delta = await events.get()
@@ -81,7 +104,8 @@ async def _events(events: asyncio.Queue, num_choices: int, fmt: StreamFormat) ->
         elif delta.finish_reason == FinishReason.ERROR:
             yield sse(error_body(f"generation failed: {choice.error}", "server_error", None, 500))
         else:
+            counter.count(choice, delta)
             chunk = fmt.on_delta(choice, delta)
             if chunk is not None:
-                yield sse(chunk)
+                yield sse(counter.stamp(chunk))
 

@@ -33,7 +33,9 @@ def test_flipped_bit_in_a_payload_is_detected(checkpoints, references, tmp_path,
     monkeypatch.setattr(sender_mod, "frames_checksum", checksum_then_flip)
     model = str(checkpoints["qwen2"])
     engines = ThreadedEngines(tmp_path)
-    engines.add("prefill", "prefill-0", EngineConfig(model=model, max_model_len=256, num_threads=1), kv_checksum=True)
+    # The whole-transfer path computes its checksum here (layer-wise: tests/test_kv_layerwise.py).
+    engines.add("prefill", "prefill-0", EngineConfig(model=model, max_model_len=256, num_threads=1), kv_checksum=True,
+                kv_mode="after-prefill")
     decode = engines.add("decode", "decode-0", EngineConfig(model=model, max_model_len=256, num_threads=1))
     engines.start()
     client = client_for(engines.server_addr, model, "pd", 256)

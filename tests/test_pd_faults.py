@@ -34,7 +34,9 @@ def test_decode_dies_after_receiving_kv_prefill_frees_blocks_within_lease(checkp
     """A fake D handshakes, pulls, takes the KV and vanishes without acking: P frees on lease expiry."""
     model = str(checkpoints["qwen2"])
     engines = ThreadedEngines(tmp_path)
-    prefill = engines.add("prefill", "prefill-0", EngineConfig(model=model, max_model_len=256), kv_lease_s=1.5)
+    # The whole-transfer wire form, read by hand below (layer-wise: tests/test_kv_layerwise.py).
+    prefill = engines.add("prefill", "prefill-0", EngineConfig(model=model, max_model_len=256), kv_lease_s=1.5,
+                          kv_mode="after-prefill")
     engines.start()
     ctx = zmq.Context()
     front = ctx.socket(zmq.ROUTER)  # stands in for the front end

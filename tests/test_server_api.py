@@ -433,7 +433,7 @@ def test_bad_input_over_raw_http(http, server, engine):
     _error(post(json.dumps({"prompt": "x", "stop": ["a"] * 100})), 400)
     _error(post(json.dumps({"prompt": "x", "suffix": "y"})), 400)
     _error(post(json.dumps({"prompt": "x", "logit_bias": {"5": 1}})), 400)
-    _error(post(json.dumps({"prompt": "x", "echo": True, "logprobs": 1})), 400)
+    _error(post(json.dumps({"prompt": "x", "echo": True, "logprobs": 21})), 400)  # prompt logprobs: at most 20
     _error(post(json.dumps({"prompt": "x", "min_tokens": 5, "max_tokens": 2})), 400)
     _error(post(json.dumps({"messages": []}), "/v1/chat/completions"), 400)
     _error(post(json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),

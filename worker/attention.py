@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,7 +59,12 @@ class PrefillRow:
 
 
 class AttentionContext:
-    """Everything attention needs for one step, computed once and shared by all layers."""
+    """Everything attention needs for one step, computed once and shared by all layers.
+
+    `tap` (worker/kv_tap.py), when the runner sets one, is called with the layer index right after
+    each layer's K/V write: a prefill engine pushes the layer to the decode instance from there."""
+
+    tap: Callable[[int], None] | None = None
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: StepLayout, block_size: int,
                  device: torch.device, sliding_window: int | None = None, backend: str | None = None) -> None:
@@ -106,6 +111,8 @@ class AttentionContext:
             return self.attend(layer_idx, q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)).to(q.dtype)
         k_cache.index_copy_(0, self.slot_mapping, k)
         v_cache.index_copy_(0, self.slot_mapping, v)
+        if self.tap is not None:
+            self.tap(layer_idx)
         if self.backend == "torch":
             return reference_attention(self.reference, q, k_cache, v_cache)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

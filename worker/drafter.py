@@ -14,6 +14,7 @@ import torch
 from worker import kernels
 from worker.attention import AttentionContext
 from worker.input_batch import InputBatch, StepLayout
+from worker.kv_tap import StepTap
 from worker.models.llama import CausalLM
 from worker.sampler import Sampler, SamplingMetadata
 from worker.states import RequestStates
@@ -50,6 +51,7 @@ class MTPDrafter:
         self.stash: torch.Tensor | None = None  # [slots, stash_positions, hidden], allocated on first use
         self.mode = DraftMode.COUPLED
         self.flushed = False  # whether the last propose() ran the layer for rows that did not draft
+        self.kv_tap: StepTap | None = None  # this step's tapped prompt rows (set by the runner)
 
     def propose(self, batch: InputBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,
                 draft_meta: DraftMetadataFn) -> list[list[int]]:
@@ -64,6 +66,8 @@ class MTPDrafter:
             return drafts
         pass_rows = np.nonzero(in_pass)[0]
         mtp_hidden, layout = self._mtp_pass(batch, hidden, n_valid, pass_rows)
+        if self.kv_tap is not None:
+            self.kv_tap.last_layer_done()
         rows = np.nonzero(drafting)[0]
         if not len(rows):
             return drafts
@@ -126,6 +130,8 @@ class MTPDrafter:
         h_in = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         layout = StepLayout(batch.layout.block_tables[rows], start, lens)
         ctx = AttentionContext(self.kv_views, layout, self.block_size, dev, self.sliding_window)
+        if self.kv_tap is not None:
+            ctx.tap = self.kv_tap.layer_tap([batch.req_ids[r] for r in rows.tolist()], layout)
         next_ids = torch.empty(h_in.shape[0], dtype=torch.int32, device=dev)
         everyone = torch.ones(len(rows), dtype=torch.bool, device=dev)
         kernels.gather_prefill_tokens(next_ids, st.all_token_ids, torch.from_numpy(slots).to(dev),
@@ -184,6 +190,7 @@ class NgramDrafter:
         self.states, self.k, self.max_n, self.min_n = states, num_tokens, max_n, min_n
         self.grammar = grammar  # structured output: drafts cut where the grammar refuses one
         self.flushed = False
+        self.kv_tap: StepTap | None = None  # unused: n-gram drafting writes no KV
 
     def propose(self, batch: InputBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,
                 draft_meta: DraftMetadataFn) -> list[list[int]]:

@@ -22,7 +22,9 @@ from worker.attention import AttentionContext, allocate_kv_caches, default_backe
 from worker.compilation import ModelForward
 from worker.drafter import MTPDrafter, NgramDrafter
 from worker.input_batch import InputBatch, StepLayout
+from worker.kv_tap import KVTap
 from worker.model_loader import DTYPES, load_model, resolve_draft_dtype
+from worker.prompt_logprobs import compute_prompt_logprobs
 from worker.rejection_sampler import accept_matching_prefix
 from worker.sampler import GREEDY_TEMPERATURE_EPS, Sampler, SamplingMetadata, mix_seed, position_generator
 from worker.spec_policy import SpecPolicy, SpecPolicyMode
@@ -92,6 +94,7 @@ class ModelRunner:
         self._last_step_end: float | None = None
         self.eos_token_ids = model_cfg.eos_token_ids
         self.check_invariants = invariants.enabled()
+        self.kv_tap: KVTap | None = None  # set by a prefill engine in PD (layer-wise KV push)
 
     # -- one step ------------------------------------------------------------------------
 
@@ -108,17 +111,24 @@ class ModelRunner:
         input_ids = self._prepare_input_ids(batch)
         ctx = AttentionContext(self.kv_views, batch.layout, self.block_size, self.device, self.model_cfg.sliding_window,
                                self.attention_backend)
+        step_tap = self.kv_tap.step(batch.req_ids, batch.layout) if self.kv_tap is not None else None
+        if step_tap is not None:
+            ctx.tap = step_tap.layer_tap(batch.req_ids, batch.layout)
         hidden = self.forward(input_ids, ctx.positions, ctx)
+        if step_tap is not None and not isinstance(self.drafter, MTPDrafter):
+            step_tap.last_layer_done()  # else the MTP pass writes the last KV layer
+        prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch, self.states)
         accepted, logprobs = self._sample(batch, hidden)
         self._write_back(batch, accepted)
         drafts = [[] for _ in batch.req_ids]
         if self.drafter is not None:
+            self.drafter.kv_tap = step_tap  # the MTP layers' KV of the chunk is reported too
             k = self._choose_num_drafts(batch, accepted)
             drafts = self.drafter.propose(batch, hidden, accepted, k, self._draft_metadata)
             if k or batch.num_drafts.any():  # else nothing was verified or proposed: no buffer to update
                 self._store_drafts(batch, drafts)
             self._time_step(batch, k, start)
-        return RunnerOutput(batch.req_ids, accepted, drafts, logprobs)
+        return RunnerOutput(batch.req_ids, accepted, drafts, logprobs, prompt_logprobs)
 
     # -- pieces --------------------------------------------------------------------------
 
@@ -140,6 +150,8 @@ class ModelRunner:
             if req_id in st.req_id_to_slot:
                 self.grammar.release(st.req_id_to_slot[req_id])
             st.remove_request(req_id)
+        if self.kv_tap is not None:
+            self.kv_tap.forget([*sched.finished_req_ids, *sched.preempted_req_ids])
         for new in sched.new_requests:
             slot = st.add_request(new)
             self.grammar.admit(slot, new.sampling_params.grammar, new.all_token_ids[new.prompt_len:])

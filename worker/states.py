@@ -36,6 +36,7 @@ class RequestStates:
         self.block_table = np.zeros((s, max_blocks_per_req), i32)
         self.num_blocks = np.zeros(s, i32)
         self.sampling_params: list[SamplingParams | None] = [None] * s
+        self.computes_prompt_logprobs = np.zeros(s, bool)  # the scheduler's per-admission choice
         # Per slot: the seed that keys the randomness of each output position (DESIGN.md §4): the
         # request's own, or for an unseeded request one drawn at admission from this instance's
         # stream (`noise_seed` differs between engine instances, so P and D never share noise).
@@ -87,6 +88,7 @@ class RequestStates:
 
         params = new.sampling_params
         self.sampling_params[slot] = params
+        self.computes_prompt_logprobs[slot] = new.compute_prompt_logprobs
         self.seeds[slot] = params.seed if params.seed is not None else self._unseeded.getrandbits(63)
         return slot
 
