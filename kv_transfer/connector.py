@@ -93,8 +93,10 @@ class PrefillConnector(KVConnector):
         if request.finish_reason != FinishReason.HANDED_OFF:
             return False  # finished here (t0 was a stop, an abort, an error): nothing to send
         # The sender's lease is the one record of these blocks from now on (freed on ack/expiry).
-        self.sender.hold(request.req_id, list(request.block_ids), request.prompt_len, request.output_token_ids[0],
-                         request.kv_transfer_id)
+        # The KV of num_handoff_tokens positions and the token after them: t0, or for a resumed
+        # request the last token the client was streamed.
+        n = request.num_handoff_tokens
+        self.sender.hold(request.req_id, list(request.block_ids), n, request.all_token_ids[n], request.kv_transfer_id)
         return True
 
     def abort(self, req_id: str, transfer_id: str | None = None) -> None:
@@ -134,7 +136,7 @@ class DecodeConnector(KVConnector):
     def start_load(self, request: Request) -> None:
         self.queued.pop(request.req_id, None)
         self.receiver.start(request.req_id, request.kv_source, request.block_ids, request.kv_transfer_id,
-                            request.prompt_len)
+                            request.num_handoff_tokens)
 
     def abort(self, req_id: str, transfer_id: str | None = None) -> None:
         queued = self.queued.get(req_id)

@@ -137,7 +137,8 @@ def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str) -> None:
     model_cfg = ModelConfig.from_dir(model)
     max_model_len = args.max_model_len or default_max_model_len(model_cfg)
     client = RemoteEngineClient(bind_addr, mode, max_model_len, model_cfg.vocab_size, model_cfg.eos_token_ids,
-                                dead_after_s=args.dead_after_s)
+                                dead_after_s=args.dead_after_s, max_resumes=args.max_resumes,
+                                resume_wait_s=args.resume_wait_s)
     app = build_app(client, load_tokenizer(model), args.served_model_name or Path(model).name,
                     api_key=args.api_key or None)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
@@ -264,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
         add_flag(p, "--api-key", str, "", "require Authorization: Bearer KEY on /v1/*")
         add_flag(p, "--served-model-name", str, None, "model name in the API (default: the folder name)")
         add_flag(p, "--dead-after-s", float, 3.0, "declare an engine dead after this long without a heartbeat")
+        add_flag(p, "--max-resumes", int, 3, "failover: resume a request whose engine died mid-stream at most this "
+                 "many times (0: off; the stream then ends with an error)")
+        add_flag(p, "--resume-wait-s", float, 20.0, "failover: wait this long for a live instance of a role a "
+                 "failed request needs, then end its stream with an error")
 
     serve = sub.add_parser("serve", help="front end + engines on this host")
     add_engine_flags(serve)
