@@ -11,7 +11,10 @@ seconds = hung). Each request ends as: completed, failed with a clear error (an 
 or an SSE error event with a message), failed unclearly (connection cut, stream truncated without
 `[DONE]`), hung, or timed out. Recovery per fault: from the kill to the first successful probe
 request (survivors take over), and from the restart to full recovery (/health 200, a probe request
-succeeds, all four instances registered). Afterwards: free vs total KV blocks per instance.
+succeeds, all four instances registered). Failover per fault: the requests the front end resumed
+(its pdserve:requests_resumed_total before and after) and, for the streams in flight at the kill
+that stalled longest -- as many as were resumed, the streams the victim held -- the time from the
+kill to their next token. Afterwards: free vs total KV blocks per instance.
 
 Soak (`--soak SECONDS`): measure capacity (completed requests/s with everything sent at once),
 then run Poisson load at `--soak-load` (0.8) of it for SECONDS, sampling the RSS of every process;
@@ -37,7 +40,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,6 +134,24 @@ async def probe(client: httpx.AsyncClient, url: str, prompt: list[int]) -> bool:
         return False
 
 
+async def front_end_counter(client: httpx.AsyncClient, url: str, name: str) -> float:
+    """One of the front end's own counters (pdserve:<name>) from /metrics; 0 when absent."""
+    text = (await client.get(url + "/metrics", timeout=5)).text
+    m = re.search(rf"^pdserve:{name} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def next_token_after_kill(records: list[Record], t_kill: float, num_resumed: int) -> list[float]:
+    """Seconds from the kill (perf_counter) to the next token of the `num_resumed` in-flight streams
+    that waited longest for it: the ones the victim held (the others go on at their usual pace)."""
+    gaps = []
+    for rec in records:
+        after = [t for t in rec.chunk_times if t > t_kill]
+        if after and rec.chunk_times[0] < t_kill:  # streaming when the victim died
+            gaps.append(after[0] - t_kill)
+    return sorted(gaps)[-num_resumed:] if num_resumed else []
+
+
 async def registered(client: httpx.AsyncClient, url: str) -> set[str]:
     try:
         table = instance_table((await client.get(url + "/metrics", timeout=5)).text)
@@ -172,6 +193,7 @@ class Record:
     tokens: int = 0
     ttft: float = 0.0
     chunks: int = 0       # streamed chunks received before the end (0: failed before the first token)
+    chunk_times: list[float] = field(default_factory=list)  # perf_counter of each streamed chunk
 
 
 def classify(res: RequestResult) -> str:
@@ -213,6 +235,7 @@ class Load:
         rec.end = time.monotonic() - self.t0
         rec.outcome, rec.error = classify(res), res.error
         rec.tokens, rec.ttft, rec.chunks = res.output_tokens or 0, res.ttft, len(res.chunk_times)
+        rec.chunk_times = list(res.chunk_times)
         if rec.outcome == "completed" and rec.tokens != self.output_len:
             rec.outcome, rec.error = "failed_unclear", f"{rec.tokens} tokens instead of {self.output_len}"
 
@@ -256,7 +279,8 @@ async def drill(cluster: Cluster, args: argparse.Namespace, vocab: int) -> dict:
         await asyncio.sleep(args.phase_s)
         for victim in ("decode-1", "prefill-1"):
             load.phase = f"{victim} killed"
-            t_kill = time.monotonic()
+            resumed_before = await front_end_counter(client, cluster.url, "requests_resumed_total")
+            t_kill, t_kill_pc = time.monotonic(), time.perf_counter()
             cluster.kill9(victim)
             # Survivors: the first probe that succeeds after the kill.
             first_ok = None
@@ -270,7 +294,9 @@ async def drill(cluster: Cluster, args: argparse.Namespace, vocab: int) -> dict:
             full = await wait_full(client, cluster.url, probe_prompt, args.recover_timeout_s)
             faults.append({"victim": victim, "first_probe_ok_after_kill_s": first_ok,
                            "restart_after_kill_s": t_restart - t_kill, "full_recovery_after_restart_s": full,
-                           "full_recovery_after_kill_s": time.monotonic() - t_kill})
+                           "full_recovery_after_kill_s": time.monotonic() - t_kill,
+                           "resumed": await front_end_counter(client, cluster.url, "requests_resumed_total")
+                           - resumed_before, "t_kill_perf": t_kill_pc})
             logger.info("%s: %s", victim, faults[-1])
             load.phase = f"after {victim} recovered"
             await asyncio.sleep(args.phase_s)
@@ -278,7 +304,11 @@ async def drill(cluster: Cluster, args: argparse.Namespace, vocab: int) -> dict:
         await load_task
         blocks = await wait_blocks(client, cluster.url, args.blocks_timeout_s)
         instances = await registered(client, cluster.url)
-    return {"rate": args.rate, "input_len": args.input_len, "output_len": args.output_len, "hang_s": args.hang_s,
+        failed_after_resume = await front_end_counter(client, cluster.url, "requests_failed_after_resume_total")
+    for f in faults:  # the streams have all ended now
+        f["next_token_after_kill_s"] = next_token_after_kill(load.records, f.pop("t_kill_perf"), int(f["resumed"]))
+    return {"failed_after_resume": failed_after_resume,
+            "rate": args.rate, "input_len": args.input_len, "output_len": args.output_len, "hang_s": args.hang_s,
             "timeout_s": args.timeout_s, "faults": faults, "summary": summarize(load.records),
             "blocks": blocks, "leaked_blocks": {n: r["total"] - r["free"] for n, r in blocks.items()},
             "registered_at_end": sorted(instances), "records": [asdict(r) for r in load.records]}
@@ -391,6 +421,15 @@ def write_markdown(out: Path, meta: dict) -> None:
             first = f"{probe_s:.2f} s" if probe_s is not None else "none before restart"
             lines.append(f"| kill -9 {f['victim']} | {first} | {f['restart_after_kill_s']:.1f} s | "
                          f"{f['full_recovery_after_restart_s']:.2f} s | {f['full_recovery_after_kill_s']:.2f} s |")
+        lines += ["", "Failover: requests the front end resumed (prompt + streamed tokens prefilled again on a live "
+                  "P, handed to a live D), and for those streams the time from the kill to their next token "
+                  "(it includes the front end's 3 s `--dead-after-s` heartbeat timeout):", "",
+                  "| fault | resumed | kill to next token: min | median | max |", "|---|---:|---:|---:|---:|"]
+        for f in d["faults"]:
+            gaps = f.get("next_token_after_kill_s") or []
+            cells = [f"{v:.2f} s" for v in (min(gaps), float(np.median(gaps)), max(gaps))] if gaps else ["n/a"] * 3
+            lines.append(f"| kill -9 {f['victim']} | {f.get('resumed', 0):.0f} | " + " | ".join(cells) + " |")
+        lines += ["", f"Resumed requests that still failed: {d.get('failed_after_resume', 0):.0f}."]
         lines += ["", "KV blocks after the drill (from /metrics, once traffic stopped):", "",
                   *blocks_table(d["blocks"], d["leaked_blocks"]), "",
                   "Errors seen by clients (digits folded to N):", ""]

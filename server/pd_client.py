@@ -20,7 +20,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 
 import msgspec
@@ -202,19 +202,19 @@ class RemoteEngineClient:
 
     # -- routing -------------------------------------------------------------------------
 
-    def _pick(self, role: EngineRole, exclude: str | None = None) -> Instance | None:
+    def _pick(self, role: EngineRole, exclude: Collection[str] = ()) -> Instance | None:
         now = time.monotonic()
         live = [i for i in self.table.values()
-                if i.role == role and i.alive(now, self.dead_after_s) and i.name != exclude]
+                if i.role == role and i.alive(now, self.dead_after_s) and i.name not in exclude]
         if not live:
             return None
         start = next(self._rr[role]) % len(live)
         rotated = live[start:] + live[:start]
         return min(rotated, key=lambda i: len(i.outstanding))
 
-    def _dispatch(self, tracked: Tracked, avoid: str | None = None) -> None:
+    def _dispatch(self, tracked: Tracked, avoid: Collection[str] = ()) -> None:
         """Send the request (resumed from `tracked.streamed`, if any) to an instance of each role it
-        needs, preferring others than `avoid` (the one that just failed it)."""
+        needs, preferring others than those in `avoid` (the ones that just failed it)."""
         if self.mode != ServeMode.PD:
             inst = self._pick(EngineRole.COLOCATED)
             if inst is None:
@@ -241,8 +241,8 @@ class RemoteEngineClient:
         self._send(p.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params, transfer_id=tid,
                                       output_token_ids=done))
 
-    def _recover(self, tracked: Tracked, reason: str, failed: str | None) -> None:
-        """The instance `failed` died or failed the request retryably: end this attempt everywhere,
+    def _recover(self, tracked: Tracked, reason: str, failed: Collection[str]) -> None:
+        """The instances `failed` died or failed the request retryably: end this attempt everywhere,
         then a fresh prefill (nothing streamed yet) or a resume (tokens streamed) if the request's
         limit allows, else a clear error to the client."""
         for name in {tracked.prefill, tracked.decode} - {None}:
@@ -267,7 +267,7 @@ class RemoteEngineClient:
         tracked.redispatch_by = tracked.failed_at + self.resume_wait_s
         self._redispatch(tracked, avoid=failed)
 
-    def _redispatch(self, tracked: Tracked, avoid: str | None = None) -> None:
+    def _redispatch(self, tracked: Tracked, avoid: Collection[str] = ()) -> None:
         """Dispatch a failed request again, or keep it waiting for a live instance until its deadline."""
         try:
             self._dispatch(tracked, avoid=avoid)
@@ -331,7 +331,8 @@ class RemoteEngineClient:
         if out.transfer_id and out.transfer_id != tracked.transfer_id:
             return  # from an older attempt on the same instance
         if out.finish_reason == FinishReason.ERROR and out.retryable:
-            self._recover(tracked, out.error or "KV transfer failed", out.instance)
+            # A failed transfer: P's side or D's (no memory in time), so try other instances of both.
+            self._recover(tracked, out.error or "KV transfer failed", {tracked.prefill, out.instance} - {None})
             return
         if out.token_ids and out.first_index != tracked.next_index:
             tracked.early[out.first_index] = out  # D's tokens can overtake t0 from P
@@ -386,4 +387,4 @@ class RemoteEngineClient:
                     if tracked is None:
                         inst.outstanding.discard(req_id)
                         continue
-                    self._recover(tracked, f"{inst.role} instance {name} died", name)
+                    self._recover(tracked, f"{inst.role} instance {name} died", {name})

@@ -51,7 +51,7 @@ async def generate_with_resumes(client, prompt: list[int], params: SamplingParam
             result["finish_reason"], result["error"] = chunk.finish_reason, chunk.error
         elif pending and len(tokens) >= pending[0]:
             pending.pop(0)
-            client._recover(client.tracked[req_id], "test: forced failover", None)
+            client._recover(client.tracked[req_id], "test: forced failover", ())
     return result
 
 
