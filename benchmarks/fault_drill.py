@@ -142,14 +142,19 @@ async def front_end_counter(client: httpx.AsyncClient, url: str, name: str) -> f
 
 
 def next_token_after_kill(records: list[Record], t_kill: float, num_resumed: int) -> list[float]:
-    """Seconds from the kill (perf_counter) to the next token of the `num_resumed` in-flight streams
-    that waited longest for it: the ones the victim held (the others go on at their usual pace)."""
-    gaps = []
+    """For the `num_resumed` streams that stalled longest after the kill (perf_counter) -- the ones
+    the victim held; the others go on at their usual pace -- seconds from the kill to the token that
+    ended the stall. A stall is the longest wait for a chunk after the kill, counted from the kill or
+    the chunk before, whichever is later (a stream may get t0 from a live P after its D died)."""
+    stalls = []
     for rec in records:
-        after = [t for t in rec.chunk_times if t > t_kill]
-        if after and rec.chunk_times[0] < t_kill:  # streaming when the victim died
-            gaps.append(after[0] - t_kill)
-    return sorted(gaps)[-num_resumed:] if num_resumed else []
+        times = rec.chunk_times
+        if not times or times[-1] <= t_kill or rec.sent_perf >= t_kill:  # not in flight at the kill
+            continue
+        waits = [(b - max(a, t_kill), b - t_kill) for a, b in zip([t_kill, *times], times) if b > t_kill]
+        if waits:
+            stalls.append(max(waits))
+    return sorted(to_token for _, to_token in sorted(stalls)[-num_resumed:]) if num_resumed else []
 
 
 async def registered(client: httpx.AsyncClient, url: str) -> set[str]:
@@ -194,6 +199,7 @@ class Record:
     ttft: float = 0.0
     chunks: int = 0       # streamed chunks received before the end (0: failed before the first token)
     chunk_times: list[float] = field(default_factory=list)  # perf_counter of each streamed chunk
+    sent_perf: float = 0.0  # perf_counter when sent
 
 
 def classify(res: RequestResult) -> str:
@@ -235,7 +241,7 @@ class Load:
         rec.end = time.monotonic() - self.t0
         rec.outcome, rec.error = classify(res), res.error
         rec.tokens, rec.ttft, rec.chunks = res.output_tokens or 0, res.ttft, len(res.chunk_times)
-        rec.chunk_times = list(res.chunk_times)
+        rec.chunk_times, rec.sent_perf = list(res.chunk_times), res.start
         if rec.outcome == "completed" and rec.tokens != self.output_len:
             rec.outcome, rec.error = "failed_unclear", f"{rec.tokens} tokens instead of {self.output_len}"
 
@@ -279,7 +285,8 @@ async def drill(cluster: Cluster, args: argparse.Namespace, vocab: int) -> dict:
         await asyncio.sleep(args.phase_s)
         for victim in ("decode-1", "prefill-1"):
             load.phase = f"{victim} killed"
-            resumed_before = await front_end_counter(client, cluster.url, "requests_resumed_total")
+            before = {k: await front_end_counter(client, cluster.url, f"requests_{k}_total")
+                      for k in ("resumed", "retried")}
             t_kill, t_kill_pc = time.monotonic(), time.perf_counter()
             cluster.kill9(victim)
             # Survivors: the first probe that succeeds after the kill.
@@ -295,8 +302,9 @@ async def drill(cluster: Cluster, args: argparse.Namespace, vocab: int) -> dict:
             faults.append({"victim": victim, "first_probe_ok_after_kill_s": first_ok,
                            "restart_after_kill_s": t_restart - t_kill, "full_recovery_after_restart_s": full,
                            "full_recovery_after_kill_s": time.monotonic() - t_kill,
-                           "resumed": await front_end_counter(client, cluster.url, "requests_resumed_total")
-                           - resumed_before, "t_kill_perf": t_kill_pc})
+                           "t_kill_perf": t_kill_pc})
+            for k, v in before.items():
+                faults[-1][k] = await front_end_counter(client, cluster.url, f"requests_{k}_total") - v
             logger.info("%s: %s", victim, faults[-1])
             load.phase = f"after {victim} recovered"
             await asyncio.sleep(args.phase_s)
@@ -424,11 +432,13 @@ def write_markdown(out: Path, meta: dict) -> None:
         lines += ["", "Failover: requests the front end resumed (prompt + streamed tokens prefilled again on a live "
                   "P, handed to a live D), and for those streams the time from the kill to their next token "
                   "(it includes the front end's 3 s `--dead-after-s` heartbeat timeout):", "",
-                  "| fault | resumed | kill to next token: min | median | max |", "|---|---:|---:|---:|---:|"]
+                  "| fault | resumed | retried (failed before their first token) | kill to next token: min | median "
+                  "| max |", "|---|---:|---:|---:|---:|---:|"]
         for f in d["faults"]:
             gaps = f.get("next_token_after_kill_s") or []
             cells = [f"{v:.2f} s" for v in (min(gaps), float(np.median(gaps)), max(gaps))] if gaps else ["n/a"] * 3
-            lines.append(f"| kill -9 {f['victim']} | {f.get('resumed', 0):.0f} | " + " | ".join(cells) + " |")
+            lines.append(f"| kill -9 {f['victim']} | {f.get('resumed', 0):.0f} | {f.get('retried', 0):.0f} | "
+                         + " | ".join(cells) + " |")
         lines += ["", f"Resumed requests that still failed: {d.get('failed_after_resume', 0):.0f}."]
         lines += ["", "KV blocks after the drill (from /metrics, once traffic stopped):", "",
                   *blocks_table(d["blocks"], d["leaked_blocks"]), "",

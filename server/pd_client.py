@@ -85,6 +85,7 @@ class RemoteEngineClient:
         self.max_retries = max_retries
         self.max_resumes, self.resume_wait_s = max_resumes, resume_wait_s
         self.num_resumed = 0                # requests resumed after tokens reached the client (each resume)
+        self.num_retried = 0                # fresh prefills of requests that failed before their first token
         self.num_failed_after_resume = 0    # resumed requests that still ended in an error
         self.resume_recovery_s: list[float] = []  # failure seen -> next token streamed, per resume (recent)
         self.redispatching: dict[str, Tracked] = {}  # failed requests waiting for a live instance
@@ -135,6 +136,7 @@ class RemoteEngineClient:
         """The front end's own counters, for /metrics."""
         return {"engine_connections_refused": float(self.refused_connections),
                 "requests_resumed_total": float(self.num_resumed),
+                "requests_retried_total": float(self.num_retried),
                 "requests_failed_after_resume_total": float(self.num_failed_after_resume)}
 
     async def _count_refusals(self, monitor: zmq.asyncio.Socket) -> None:
@@ -259,6 +261,7 @@ class RemoteEngineClient:
             self.num_resumed += 1
         elif tracked.attempts < self.max_retries:
             tracked.attempts += 1
+            self.num_retried += 1
         else:
             return self._fail(tracked, reason)
         tracked.early.clear()

@@ -135,7 +135,7 @@ class Cluster:
         for i in range(2):
             self.group.add("prefill", f"prefill-{i}", model, "--max-model-len", "256")
             self.group.add("decode", f"decode-{i}", model, *DECODE_FLAGS, env=FAULT_ENV)
-        self.client = client_for(self.group.server_addr, model, "pd", 256, dead_after_s=1.0, resume_wait_s=10.0)
+        self.client = client_for(self.group.server_addr, model, "pd", 256, dead_after_s=1.0, resume_wait_s=40.0)
         self.app = build_app(self.client, AutoTokenizer.from_pretrained(model), "tiny")
         self.server = ServerThread(self.app).__enter__()
         self.restore()
@@ -197,7 +197,7 @@ async def stream_one(http: httpx.AsyncClient, url: str, prompt: list[int], max_t
 
 async def stream_all(url: str, prompts: list[list[int]], during=None) -> list[dict]:
     """All prompts at once; `during` (a coroutine function) runs alongside, e.g. to kill an engine."""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(60, read=30)) as http:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60, read=45)) as http:
         tasks = [asyncio.ensure_future(stream_one(http, url, p)) for p in prompts]
         if during is not None:
             await asyncio.wait_for(during(), 60)
@@ -276,6 +276,29 @@ def test_prefill_killed_holding_requests_after_t0_every_stream_completes_exactly
     assert_same_streams(results, cluster.undisturbed)
     assert client.num_resumed - resumed_before >= 1, killed
     assert client.num_failed_after_resume == 0
+    assert asyncio.run(_blocks_free(client))
+
+
+def test_with_every_decode_dead_requests_wait_for_one_to_come_back(cluster):
+    """Both D die mid-stream: the requests wait (up to --resume-wait-s) for a D to register again,
+    then resume there and complete exactly."""
+    cluster.restore()
+    client, resumed_before = cluster.client, cluster.client.num_resumed
+
+    async def kill_both_then_restart_one():
+        def streaming() -> bool:
+            tracked = list(client.tracked.values())
+            return len(tracked) == NUM_STREAMS and sum(len(t.streamed) for t in tracked) >= NUM_STREAMS * 24
+
+        await wait_for(streaming, 30, "the streams to be under way")
+        for name in ("decode-0", "decode-1"):
+            cluster.group.kill(name)
+        await wait_for(lambda: len(client.redispatching) > 0, 10, "requests waiting for a decode instance")
+        cluster.group.start("decode-1", FAULT_ENV)
+
+    results = asyncio.run(stream_all(cluster.server.url, cluster.prompts, kill_both_then_restart_one))
+    assert_same_streams(results, cluster.undisturbed)
+    assert client.num_resumed - resumed_before >= 1 and not client.redispatching
     assert asyncio.run(_blocks_free(client))
 
 
