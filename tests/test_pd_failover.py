@@ -118,7 +118,9 @@ def test_resume_refused_past_max_resumes_and_off_switch(checkpoints, tmp_path):
 # -- kill -9 of real engine processes, behind the HTTP API ---------------------------------------
 
 NUM_STREAMS, NEW_TOKENS = 16, 96
-DECODE_FLAGS = ("--max-model-len", "256", "--num-kv-blocks", "48", "--block-size", "16")
+# 20 blocks of 16 tokens: a D reserves for ~6 prompts at a time, so of 16 streams some wait with P
+# holding their KV after t0, and running ones preempt each other (recompute) as they grow.
+DECODE_FLAGS = ("--max-model-len", "256", "--num-kv-blocks", "20", "--block-size", "16")
 FAULT_ENV = {"PDSERVE_FAULT_EXIT_ON_PROMPT": ",".join(map(str, POISON))}
 
 
@@ -168,8 +170,10 @@ def cluster(tmp_path_factory):
     assert c.app.state.internal_errors == 0
 
 
-async def stream_one(http: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int = NEW_TOKENS) -> dict:
-    """One streamed completion over SSE: every chunk's token ids and text, the finish, any error event."""
+async def stream_one(http: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int = NEW_TOKENS,
+                     progress: list[int] | None = None, index: int = 0) -> dict:
+    """One streamed completion over SSE: every chunk's token ids and text, the finish, any error event.
+    `progress[index]` follows the number of tokens received."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
     out = {"tokens": [], "text": "", "chunks": 0, "finish_reason": None, "error": None, "usage": None, "done": False}
@@ -189,6 +193,8 @@ async def stream_one(http: httpx.AsyncClient, url: str, prompt: list[int], max_t
                 out["usage"] = event["usage"]["completion_tokens"]
             for choice in event["choices"]:
                 out["tokens"] += choice.get("token_ids") or []
+                if progress is not None:
+                    progress[index] = len(out["tokens"])
                 out["text"] += choice["text"]
                 out["chunks"] += bool(choice.get("token_ids"))
                 out["finish_reason"] = choice["finish_reason"] or out["finish_reason"]
@@ -196,11 +202,14 @@ async def stream_one(http: httpx.AsyncClient, url: str, prompt: list[int], max_t
 
 
 async def stream_all(url: str, prompts: list[list[int]], during=None) -> list[dict]:
-    """All prompts at once; `during` (a coroutine function) runs alongside, e.g. to kill an engine."""
+    """All prompts at once; `during(progress)` (a coroutine function) runs alongside, e.g. to kill an
+    engine; progress[i] is the number of tokens stream i has received."""
+    progress = [0] * len(prompts)
     async with httpx.AsyncClient(timeout=httpx.Timeout(60, read=45)) as http:
-        tasks = [asyncio.ensure_future(stream_one(http, url, p)) for p in prompts]
+        tasks = [asyncio.ensure_future(stream_one(http, url, p, progress=progress, index=i))
+                 for i, p in enumerate(prompts)]
         if during is not None:
-            await asyncio.wait_for(during(), 60)
+            await asyncio.wait_for(during(progress), 60)
         return await asyncio.wait_for(asyncio.gather(*tasks), 90)
 
 
@@ -232,12 +241,8 @@ def test_decode_killed_mid_stream_every_stream_completes_exactly(cluster):
     client, resumed_before = cluster.client, cluster.client.num_resumed
     victim = {}
 
-    async def kill_half_way():
-        def half_done() -> bool:
-            tracked = list(client.tracked.values())
-            return len(tracked) == NUM_STREAMS and sum(len(t.streamed) for t in tracked) >= NUM_STREAMS * NEW_TOKENS / 2
-
-        await wait_for(half_done, 30, "the streams to be half done")
+    async def kill_half_way(progress: list[int]):
+        await wait_for(lambda: sum(progress) >= NUM_STREAMS * NEW_TOKENS / 2, 30, "the streams to be half done")
         held = {d: sum(t.decode == d for t in client.tracked.values()) for d in ("decode-0", "decode-1")}
         victim["name"] = max(held, key=held.get)
         victim["held"] = held[victim["name"]]
@@ -258,7 +263,7 @@ def test_prefill_killed_holding_requests_after_t0_every_stream_completes_exactly
     client, resumed_before = cluster.client, cluster.client.num_resumed
     killed = {}
 
-    async def kill_a_prefill_holding_kv():
+    async def kill_a_prefill_holding_kv(progress: list[int]):
         def holding() -> dict[str, int]:
             out = {"prefill-0": 0, "prefill-1": 0}
             for t in list(client.tracked.values()):
@@ -266,7 +271,8 @@ def test_prefill_killed_holding_requests_after_t0_every_stream_completes_exactly
                     out[t.prefill] += 1
             return out
 
-        await wait_for(lambda: max(holding().values()) >= 2, 30, "a prefill holding KV after t0")
+        # Every stream has its t0; those whose D has not started are mostly still waiting for D memory.
+        await wait_for(lambda: min(progress) >= 1 and sum(holding().values()) >= 4, 30, "prefills holding KV after t0")
         counts = holding()
         killed["name"] = max(counts, key=counts.get)
         killed["held"] = counts[killed["name"]]
@@ -285,12 +291,8 @@ def test_with_every_decode_dead_requests_wait_for_one_to_come_back(cluster):
     cluster.restore()
     client, resumed_before = cluster.client, cluster.client.num_resumed
 
-    async def kill_both_then_restart_one():
-        def streaming() -> bool:
-            tracked = list(client.tracked.values())
-            return len(tracked) == NUM_STREAMS and sum(len(t.streamed) for t in tracked) >= NUM_STREAMS * 24
-
-        await wait_for(streaming, 30, "the streams to be under way")
+    async def kill_both_then_restart_one(progress: list[int]):
+        await wait_for(lambda: sum(progress) >= NUM_STREAMS * NEW_TOKENS / 4, 30, "the streams to be under way")
         for name in ("decode-0", "decode-1"):
             cluster.group.kill(name)
         await wait_for(lambda: len(client.redispatching) > 0, 10, "requests waiting for a decode instance")
