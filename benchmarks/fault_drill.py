@@ -141,20 +141,24 @@ async def front_end_counter(client: httpx.AsyncClient, url: str, name: str) -> f
     return float(m.group(1)) if m else 0.0
 
 
-def next_token_after_kill(records: list[Record], t_kill: float, num_resumed: int) -> list[float]:
-    """For the `num_resumed` streams that stalled longest after the kill (perf_counter) -- the ones
-    the victim held; the others go on at their usual pace -- seconds from the kill to the token that
-    ended the stall. A stall is the longest wait for a chunk after the kill, counted from the kill or
-    the chunk before, whichever is later (a stream may get t0 from a live P after its D died)."""
+DEAD_AFTER_S = 3.0  # the front end's --dead-after-s (its default)
+STALLED_S = 0.5     # a wait for a token this long after a kill: the stream was the victim's (others go on)
+
+
+def stalls_after_kill(records: list[Record], t_kill: float) -> list[tuple[float, float]]:
+    """(stall, kill to the token that ended it) in seconds for the streams that stalled at least
+    STALLED_S after the kill (perf_counter): the ones the victim held; the others go on at their usual
+    pace. A stall is a wait for a chunk that starts -- at the latest of the kill, the send and the
+    chunk before -- before the front end declares the victim dead (later stalls are not the kill's).
+    Requests sent after the kill count too: until then the front end still routes requests to it."""
     stalls = []
     for rec in records:
         times = rec.chunk_times
-        if not times or times[-1] <= t_kill or rec.sent_perf >= t_kill:  # not in flight at the kill
-            continue
-        waits = [(b - max(a, t_kill), b - t_kill) for a, b in zip([t_kill, *times], times) if b > t_kill]
-        if waits:
+        starts = [max(a, t_kill) for a in [rec.sent_perf, *times[:-1]]]
+        waits = [(b - a, b - t_kill) for a, b in zip(starts, times) if b > t_kill and a < t_kill + DEAD_AFTER_S]
+        if waits and max(waits)[0] >= STALLED_S:
             stalls.append(max(waits))
-    return sorted(to_token for _, to_token in sorted(stalls)[-num_resumed:]) if num_resumed else []
+    return sorted(stalls)
 
 
 async def registered(client: httpx.AsyncClient, url: str) -> set[str]:
@@ -313,8 +317,8 @@ async def drill(cluster: Cluster, args: argparse.Namespace, vocab: int) -> dict:
         blocks = await wait_blocks(client, cluster.url, args.blocks_timeout_s)
         instances = await registered(client, cluster.url)
         failed_after_resume = await front_end_counter(client, cluster.url, "requests_failed_after_resume_total")
-    for f in faults:  # the streams have all ended now
-        f["next_token_after_kill_s"] = next_token_after_kill(load.records, f.pop("t_kill_perf"), int(f["resumed"]))
+    for f in faults:  # the streams have all ended now; the counts include the drill's own probe requests
+        f["stalls_s"] = stalls_after_kill(load.records, f["t_kill_perf"])
     return {"failed_after_resume": failed_after_resume,
             "rate": args.rate, "input_len": args.input_len, "output_len": args.output_len, "hang_s": args.hang_s,
             "timeout_s": args.timeout_s, "faults": faults, "summary": summarize(load.records),
@@ -430,16 +434,25 @@ def write_markdown(out: Path, meta: dict) -> None:
             lines.append(f"| kill -9 {f['victim']} | {first} | {f['restart_after_kill_s']:.1f} s | "
                          f"{f['full_recovery_after_restart_s']:.2f} s | {f['full_recovery_after_kill_s']:.2f} s |")
         lines += ["", "Failover: requests the front end resumed (prompt + streamed tokens prefilled again on a live "
-                  "P, handed to a live D), and for those streams the time from the kill to their next token "
-                  "(it includes the front end's 3 s `--dead-after-s` heartbeat timeout):", "",
-                  "| fault | resumed | retried (failed before their first token) | kill to next token: min | median "
-                  "| max |", "|---|---:|---:|---:|---:|---:|"]
+                  "P, handed to a live D) or retried (failed before their first token: a fresh prefill), the "
+                  "drill's own probe requests included; and the load's streams that stalled "
+                  f"{STALLED_S:g} s or more after the kill (the victim's; a request sent to it after the kill, "
+                  "before it was declared dead, stalls from its t0): how long, and the time from the kill to the "
+                  "token that ended the stall (both include the front end's 3 s `--dead-after-s`):", "",
+                  "| fault | resumed | retried | streams stalled | stall: median | max "
+                  "| kill to next token: median | max |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for f in d["faults"]:
-            gaps = f.get("next_token_after_kill_s") or []
-            cells = [f"{v:.2f} s" for v in (min(gaps), float(np.median(gaps)), max(gaps))] if gaps else ["n/a"] * 3
+            stalls = f.get("stalls_s") or []
+            cells = ["n/a"] * 4
+            if stalls:
+                cells = [f"{v:.2f} s" for col in zip(*stalls) for v in (float(np.median(col)), max(col))]
             lines.append(f"| kill -9 {f['victim']} | {f.get('resumed', 0):.0f} | {f.get('retried', 0):.0f} | "
-                         + " | ".join(cells) + " |")
-        lines += ["", f"Resumed requests that still failed: {d.get('failed_after_resume', 0):.0f}."]
+                         f"{len(stalls)} | " + " | ".join(cells) + " |")
+        lines += ["", f"Resumed requests that still failed: {d.get('failed_after_resume', 0):.0f}. A prefill holds a "
+                  "request after t0 only until a decode pulls its KV (milliseconds, when the decodes have memory "
+                  "free), so a prefill kill mostly hits requests still prefilling: nothing was streamed, and they "
+                  "are retried with a fresh prefill. tests/test_pd_failover.py kills a prefill that holds KV "
+                  "after t0 (decodes short of memory)."]
         lines += ["", "KV blocks after the drill (from /metrics, once traffic stopped):", "",
                   *blocks_table(d["blocks"], d["leaked_blocks"]), "",
                   "Errors seen by clients (digits folded to N):", ""]
