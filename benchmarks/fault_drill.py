@@ -206,6 +206,13 @@ class Record:
     sent_perf: float = 0.0  # perf_counter when sent
 
 
+def record_row(rec: Record) -> dict:
+    """A record for the JSON report, without its per-chunk times (used above; ~10x the size)."""
+    row = asdict(rec)
+    del row["chunk_times"], row["sent_perf"]
+    return row
+
+
 def classify(res: RequestResult) -> str:
     if res.success:
         return "completed"
@@ -323,7 +330,7 @@ async def drill(cluster: Cluster, args: argparse.Namespace, vocab: int) -> dict:
             "rate": args.rate, "input_len": args.input_len, "output_len": args.output_len, "hang_s": args.hang_s,
             "timeout_s": args.timeout_s, "faults": faults, "summary": summarize(load.records),
             "blocks": blocks, "leaked_blocks": {n: r["total"] - r["free"] for n, r in blocks.items()},
-            "registered_at_end": sorted(instances), "records": [asdict(r) for r in load.records]}
+            "registered_at_end": sorted(instances), "records": [record_row(r) for r in load.records]}
 
 
 # -- soak ---------------------------------------------------------------------------------------
