@@ -11,7 +11,10 @@ seconds = hung). Each request ends as: completed, failed with a clear error (an 
 or an SSE error event with a message), failed unclearly (connection cut, stream truncated without
 `[DONE]`), hung, or timed out. Recovery per fault: from the kill to the first successful probe
 request (survivors take over), and from the restart to full recovery (/health 200, a probe request
-succeeds, all four instances registered). Afterwards: free vs total KV blocks per instance.
+succeeds, all four instances registered). Failover per fault: the requests the front end resumed
+(its pdserve:requests_resumed_total before and after) and, for the streams in flight at the kill
+that stalled longest -- as many as were resumed, the streams the victim held -- the time from the
+kill to their next token. Afterwards: free vs total KV blocks per instance.
 
 Soak (`--soak SECONDS`): measure capacity (completed requests/s with everything sent at once),
 then run Poisson load at `--soak-load` (0.8) of it for SECONDS, sampling the RSS of every process;
@@ -37,7 +40,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,6 +134,33 @@ async def probe(client: httpx.AsyncClient, url: str, prompt: list[int]) -> bool:
         return False
 
 
+async def front_end_counter(client: httpx.AsyncClient, url: str, name: str) -> float:
+    """One of the front end's own counters (pdserve:<name>) from /metrics; 0 when absent."""
+    text = (await client.get(url + "/metrics", timeout=5)).text
+    m = re.search(rf"^pdserve:{name} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+DEAD_AFTER_S = 3.0  # the front end's --dead-after-s (its default)
+STALLED_S = 0.5     # a wait for a token this long after a kill: the stream was the victim's (others go on)
+
+
+def stalls_after_kill(records: list[Record], t_kill: float) -> list[tuple[float, float]]:
+    """(stall, kill to the token that ended it) in seconds for the streams that stalled at least
+    STALLED_S after the kill (perf_counter): the ones the victim held; the others go on at their usual
+    pace. A stall is a wait for a chunk that starts -- at the latest of the kill, the send and the
+    chunk before -- before the front end declares the victim dead (later stalls are not the kill's).
+    Requests sent after the kill count too: until then the front end still routes requests to it."""
+    stalls = []
+    for rec in records:
+        times = rec.chunk_times
+        starts = [max(a, t_kill) for a in [rec.sent_perf, *times[:-1]]]
+        waits = [(b - a, b - t_kill) for a, b in zip(starts, times) if b > t_kill and a < t_kill + DEAD_AFTER_S]
+        if waits and max(waits)[0] >= STALLED_S:
+            stalls.append(max(waits))
+    return sorted(stalls)
+
+
 async def registered(client: httpx.AsyncClient, url: str) -> set[str]:
     try:
         table = instance_table((await client.get(url + "/metrics", timeout=5)).text)
@@ -172,6 +202,15 @@ class Record:
     tokens: int = 0
     ttft: float = 0.0
     chunks: int = 0       # streamed chunks received before the end (0: failed before the first token)
+    chunk_times: list[float] = field(default_factory=list)  # perf_counter of each streamed chunk
+    sent_perf: float = 0.0  # perf_counter when sent
+
+
+def record_row(rec: Record) -> dict:
+    """A record for the JSON report, without its per-chunk times (used above; ~10x the size)."""
+    row = asdict(rec)
+    del row["chunk_times"], row["sent_perf"]
+    return row
 
 
 def classify(res: RequestResult) -> str:
@@ -213,6 +252,7 @@ class Load:
         rec.end = time.monotonic() - self.t0
         rec.outcome, rec.error = classify(res), res.error
         rec.tokens, rec.ttft, rec.chunks = res.output_tokens or 0, res.ttft, len(res.chunk_times)
+        rec.chunk_times, rec.sent_perf = list(res.chunk_times), res.start
         if rec.outcome == "completed" and rec.tokens != self.output_len:
             rec.outcome, rec.error = "failed_unclear", f"{rec.tokens} tokens instead of {self.output_len}"
 
@@ -256,7 +296,9 @@ async def drill(cluster: Cluster, args: argparse.Namespace, vocab: int) -> dict:
         await asyncio.sleep(args.phase_s)
         for victim in ("decode-1", "prefill-1"):
             load.phase = f"{victim} killed"
-            t_kill = time.monotonic()
+            before = {k: await front_end_counter(client, cluster.url, f"requests_{k}_total")
+                      for k in ("resumed", "retried")}
+            t_kill, t_kill_pc = time.monotonic(), time.perf_counter()
             cluster.kill9(victim)
             # Survivors: the first probe that succeeds after the kill.
             first_ok = None
@@ -270,7 +312,10 @@ async def drill(cluster: Cluster, args: argparse.Namespace, vocab: int) -> dict:
             full = await wait_full(client, cluster.url, probe_prompt, args.recover_timeout_s)
             faults.append({"victim": victim, "first_probe_ok_after_kill_s": first_ok,
                            "restart_after_kill_s": t_restart - t_kill, "full_recovery_after_restart_s": full,
-                           "full_recovery_after_kill_s": time.monotonic() - t_kill})
+                           "full_recovery_after_kill_s": time.monotonic() - t_kill,
+                           "t_kill_perf": t_kill_pc})
+            for k, v in before.items():
+                faults[-1][k] = await front_end_counter(client, cluster.url, f"requests_{k}_total") - v
             logger.info("%s: %s", victim, faults[-1])
             load.phase = f"after {victim} recovered"
             await asyncio.sleep(args.phase_s)
@@ -278,10 +323,14 @@ async def drill(cluster: Cluster, args: argparse.Namespace, vocab: int) -> dict:
         await load_task
         blocks = await wait_blocks(client, cluster.url, args.blocks_timeout_s)
         instances = await registered(client, cluster.url)
-    return {"rate": args.rate, "input_len": args.input_len, "output_len": args.output_len, "hang_s": args.hang_s,
+        failed_after_resume = await front_end_counter(client, cluster.url, "requests_failed_after_resume_total")
+    for f in faults:  # the streams have all ended now; the counts include the drill's own probe requests
+        f["stalls_s"] = stalls_after_kill(load.records, f["t_kill_perf"])
+    return {"failed_after_resume": failed_after_resume,
+            "rate": args.rate, "input_len": args.input_len, "output_len": args.output_len, "hang_s": args.hang_s,
             "timeout_s": args.timeout_s, "faults": faults, "summary": summarize(load.records),
             "blocks": blocks, "leaked_blocks": {n: r["total"] - r["free"] for n, r in blocks.items()},
-            "registered_at_end": sorted(instances), "records": [asdict(r) for r in load.records]}
+            "registered_at_end": sorted(instances), "records": [record_row(r) for r in load.records]}
 
 
 # -- soak ---------------------------------------------------------------------------------------
@@ -391,6 +440,26 @@ def write_markdown(out: Path, meta: dict) -> None:
             first = f"{probe_s:.2f} s" if probe_s is not None else "none before restart"
             lines.append(f"| kill -9 {f['victim']} | {first} | {f['restart_after_kill_s']:.1f} s | "
                          f"{f['full_recovery_after_restart_s']:.2f} s | {f['full_recovery_after_kill_s']:.2f} s |")
+        lines += ["", "Failover: requests the front end resumed (prompt + streamed tokens prefilled again on a live "
+                  "P, handed to a live D) or retried (failed before their first token: a fresh prefill), the "
+                  "drill's own probe requests included; and the load's streams that stalled "
+                  f"{STALLED_S:g} s or more after the kill (the victim's; a request sent to it after the kill, "
+                  "before it was declared dead, stalls from its t0): how long, and the time from the kill to the "
+                  "token that ended the stall (both include the front end's 3 s `--dead-after-s`):", "",
+                  "| fault | resumed | retried | streams stalled | stall: median | max "
+                  "| kill to next token: median | max |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for f in d["faults"]:
+            stalls = f.get("stalls_s") or []
+            cells = ["n/a"] * 4
+            if stalls:
+                cells = [f"{v:.2f} s" for col in zip(*stalls) for v in (float(np.median(col)), max(col))]
+            lines.append(f"| kill -9 {f['victim']} | {f.get('resumed', 0):.0f} | {f.get('retried', 0):.0f} | "
+                         f"{len(stalls)} | " + " | ".join(cells) + " |")
+        lines += ["", f"Resumed requests that still failed: {d.get('failed_after_resume', 0):.0f}. A prefill holds a "
+                  "request after t0 only until a decode pulls its KV (milliseconds, when the decodes have memory "
+                  "free), so a prefill kill mostly hits requests still prefilling: nothing was streamed, and they "
+                  "are retried with a fresh prefill. tests/test_pd_failover.py kills a prefill that holds KV "
+                  "after t0 (decodes short of memory)."]
         lines += ["", "KV blocks after the drill (from /metrics, once traffic stopped):", "",
                   *blocks_table(d["blocks"], d["leaked_blocks"]), "",
                   "Errors seen by clients (digits folded to N):", ""]

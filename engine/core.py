@@ -17,7 +17,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.request import Request
 from engine.types import SamplingParams
-from engine.validation import check_prompt
+from engine.validation import check_prompt, check_resumed_outputs
 from kv_transfer.connector import KVConnector
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import RequestUpdate, Scheduler
@@ -87,14 +87,20 @@ class EngineCore:
                 raise ValueError(f"sampling_params.grammar: {exc}") from None
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, req_id: str | None = None,
-                    prefill_endpoint: str = "", transfer_id: str = "") -> str:
+                    prefill_endpoint: str = "", transfer_id: str = "",
+                    output_token_ids: list[int] | None = None) -> str:
         """Validate and queue; `prefill_endpoint` (decode role) is where the prompt's KV comes from,
-        `transfer_id` (PD) names this attempt's KV transfer."""
+        `transfer_id` (PD) names this attempt's KV transfer. `output_token_ids`: a resumed request's
+        tokens already streamed to the client (failover); generation goes on after them."""
         self.validate_prompt(prompt_token_ids, params)
+        outputs = list(output_token_ids or [])
+        check_resumed_outputs(outputs, len(prompt_token_ids), params.max_tokens, self.model_config.vocab_size,
+                              self.config.max_model_len)
         req_id = req_id or uuid.uuid4().hex
         if req_id in self.scheduler.requests:
             raise ValueError(f"request_id {req_id!r} is already in use")
-        request = Request(req_id, list(prompt_token_ids), params, self.model_config.eos_token_ids)
+        request = Request(req_id, list(prompt_token_ids), params, self.model_config.eos_token_ids,
+                          output_token_ids=outputs)
         request.kv_transfer_id = transfer_id
         self.connector.on_new_request(request, prefill_endpoint)
         try:
@@ -138,9 +144,9 @@ class EngineCore:
         """KV transfers that finished since the last call: loaded requests may run from the next
         step, failed ones end (their updates). A no-op without a KV connector (colocated)."""
         loaded, failed = self.connector.poll()
-        for item in loaded:
-            self.scheduler.kv_loaded(item.req_id, item.t0, item.num_tokens)
-        return [self.scheduler.kv_failed(item.req_id, item.reason, item.retryable) for item in failed]
+        updates = [self.scheduler.kv_loaded(item.req_id, item.t0, item.num_tokens) for item in loaded]
+        return [u for u in updates if u is not None] + [self.scheduler.kv_failed(item.req_id, item.reason,
+                                                                                 item.retryable) for item in failed]
 
     def stats(self) -> EngineStats:
         s = self.scheduler

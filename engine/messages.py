@@ -12,6 +12,7 @@ class Submit(msgspec.Struct, tag=True):
     params: SamplingParams             # validated again when decoded
     prefill_endpoint: str = ""         # decode role: where to pull the KV from
     transfer_id: str = ""              # PD: this attempt's KV transfer (the same on P and D; new on a retry)
+    output_token_ids: list[int] = []   # failover: tokens already streamed to the client; go on after them
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -66,6 +66,7 @@ class EngineProcess:
         self.last_tick = time.monotonic()
         # Fault-injection knob for tests and drills: slow every step down (seconds).
         self.step_delay = float(os.environ.get("PDSERVE_DEBUG_STEP_DELAY", "0"))
+        self.fault_exit = FaultExitOnPrompt.from_env()
         endpoint = self.connector.kv_endpoint
         logger.info("%s engine %s connected to %s%s", role, name, server_addr,
                     f", KV port {endpoint}" if endpoint else "")
@@ -123,9 +124,11 @@ class EngineProcess:
                 self.stopping = True
 
     def _submit(self, sub: msg.Submit) -> None:
+        if self.fault_exit is not None:
+            self.fault_exit.watch(sub.req_id, sub.prompt_token_ids)
         try:
             self.core.add_request(sub.prompt_token_ids, sub.params, sub.req_id, sub.prefill_endpoint,
-                                  sub.transfer_id)
+                                  sub.transfer_id, sub.output_token_ids)
         except ValueError as e:
             self._emit(msg.Output(self.name, sub.req_id, [], finish_reason=FinishReason.ERROR, error=str(e),
                                   transfer_id=sub.transfer_id))
@@ -141,6 +144,8 @@ class EngineProcess:
     # -- send ----------------------------------------------------------------------------
 
     def _send_updates(self, updates: list[RequestUpdate]) -> None:
+        if self.fault_exit is not None:
+            self.fault_exit.check(updates)
         for u in updates:
             self._emit(msg.Output(self.name, u.req_id, u.new_token_ids, u.first_index, u.new_logprobs, u.finish_reason,
                                   u.error, u.retryable, u.queue_time, u.transfer_id, u.prompt_logprobs,
@@ -179,6 +184,34 @@ class EngineProcess:
         self.connector.close()
         self.link.close(0)
         self.zmq.term()
+
+
+class FaultExitOnPrompt:
+    """FAULT INJECTION, for tests and drills only: with PDSERVE_FAULT_EXIT_ON_PROMPT="id,id,..." set,
+    the engine process exits at once (os._exit, as a crash would) when it is about to emit tokens
+    of a request whose prompt contains that token sequence: a "poison" request (tests/test_pd_failover.py)."""
+
+    EXIT_CODE = 86
+
+    def __init__(self, marker: list[int]) -> None:
+        self.marker = marker
+        self.poisoned: set[str] = set()
+
+    @classmethod
+    def from_env(cls) -> FaultExitOnPrompt | None:
+        raw = os.environ.get("PDSERVE_FAULT_EXIT_ON_PROMPT", "").strip()
+        return cls([int(t) for t in raw.split(",")]) if raw else None
+
+    def watch(self, req_id: str, prompt: list[int]) -> None:
+        n = len(self.marker)
+        if any(prompt[i : i + n] == self.marker for i in range(len(prompt) - n + 1)):
+            self.poisoned.add(req_id)
+
+    def check(self, updates: list[RequestUpdate]) -> None:
+        if any(u.req_id in self.poisoned and u.new_token_ids for u in updates):
+            logger.error("fault injection (PDSERVE_FAULT_EXIT_ON_PROMPT): exiting on a poison request")
+            logging.shutdown()
+            os._exit(self.EXIT_CODE)
 
 
 def run_engine_process(role: str, config: EngineConfig, name: str, server_addr: str,

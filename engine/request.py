@@ -60,6 +60,24 @@ class Request:
         return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
+    def num_handoff_tokens(self) -> int:
+        """PD: the positions whose KV a handoff carries. A fresh request hands over its prompt (t0,
+        sampled on P, follows it); a resumed one -- outputs already streamed to the client, its
+        engine died (failover) -- hands over all but its last output, which seeds D's slot."""
+        return self.num_tokens - 1 if self.output_token_ids else self.prompt_len
+
+    @property
+    def resumed_handoff(self) -> bool:
+        """Prefill role, resumed request: P computes the KV of all but the last streamed token and
+        hands that token to D as it is. Sampling one here would stream a token twice (or a new one)."""
+        return self.remote_decode and bool(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """The tokens this engine computes for the request before it samples (or hands off)."""
+        return self.num_handoff_tokens if self.resumed_handoff else self.num_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 

@@ -30,6 +30,21 @@ def check_prompt(ids: Sequence[int], vocab_size: int, max_model_len: int, param:
                          f"(max_model_len={max_model_len})", param, "context_length_exceeded")
 
 
+def check_resumed_outputs(outputs: Sequence[int], prompt_len: int, max_tokens: int, vocab_size: int,
+                          max_model_len: int) -> None:
+    """The streamed outputs of a resumed request (failover): vocabulary ids that leave room, within
+    max_tokens and the context length, for at least one more token (else the request was done)."""
+    if not outputs:
+        return
+    check_token_ids(outputs, vocab_size, "output_token_ids")
+    if len(outputs) >= max_tokens:
+        raise InputError(f"output_token_ids: {len(outputs)} tokens already reach max_tokens={max_tokens}",
+                         "output_token_ids")
+    if prompt_len + len(outputs) >= max_model_len:
+        raise InputError(f"output_token_ids: prompt ({prompt_len}) + outputs ({len(outputs)}) leave no room within "
+                         f"max_model_len={max_model_len}", "output_token_ids", "context_length_exceeded")
+
+
 def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int | None:
     """`max_tokens` for a prompt of `prompt_len` tokens: None means "up to the context length";
     asking for more than fits is an error. Non-integers pass through for SamplingParams to refuse."""

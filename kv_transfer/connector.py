@@ -119,13 +119,13 @@ class PrefillConnector(KVConnector):
 
     def tap_target(self, req_id: str) -> int | None:
         request = self.prefilling.get(req_id)
-        return request.prompt_len if request is not None else None
+        return request.num_handoff_tokens if request is not None else None
 
     def on_layer(self, req_id: str, layer: int, start: int, end: int, kv: torch.Tensor,
                  ready: torch.cuda.Event | None) -> None:
         request = self.prefilling[req_id]
         tid = request.kv_transfer_id
-        self.sender.publish_layer(req_id, tid, layer, start, end, request.prompt_len, kv, ready)
+        self.sender.publish_layer(req_id, tid, layer, start, end, request.num_handoff_tokens, kv, ready)
 
     def on_layers_done(self, req_id: str) -> None:
         self.sender.note_done_time(req_id, self.prefilling[req_id].kv_transfer_id)
@@ -137,8 +137,10 @@ class PrefillConnector(KVConnector):
             self.sender.end_stream(request.req_id, request.kv_transfer_id)
             return False  # finished here (t0 was a stop, an abort, an error): nothing to send
         # The sender's lease is the one record of these blocks from now on (freed on ack/expiry).
-        self.sender.hold(request.req_id, list(request.block_ids), request.prompt_len, request.output_token_ids[0],
-                         request.kv_transfer_id)
+        # The KV of num_handoff_tokens positions and the token after them: t0, or for a resumed
+        # request the last token the client was streamed.
+        n = request.num_handoff_tokens
+        self.sender.hold(request.req_id, list(request.block_ids), n, request.all_token_ids[n], request.kv_transfer_id)
         return True
 
     def abort(self, req_id: str, transfer_id: str | None = None) -> None:
@@ -183,7 +185,7 @@ class DecodeConnector(KVConnector):
     def start_load(self, request: Request) -> None:
         self.queued.pop(request.req_id, None)
         self.receiver.start(request.req_id, request.kv_source, request.block_ids, request.kv_transfer_id,
-                            request.prompt_len)
+                            request.num_handoff_tokens)
 
     def abort(self, req_id: str, transfer_id: str | None = None) -> None:
         queued = self.queued.get(req_id)

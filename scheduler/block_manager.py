@@ -50,12 +50,13 @@ class BlockManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks holding a cached prefix of the request (full blocks only).
 
-        At least one token is always left to compute, so the request still produces logits.
+        At least one token is always left to compute, so the request still produces logits (or, for
+        a resumed request on P, still runs the step that completes its KV).
         """
         if not self.enable_prefix_caching:
             return []
         tokens = request.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
+        max_blocks = (request.num_tokens_to_compute - 1) // self.block_size
         hits: list[int] = []
         parent: int | None = None
         for i in range(max_blocks):

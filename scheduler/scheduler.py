@@ -95,9 +95,9 @@ class Scheduler:
         """Queue a request. Raises ValueError for a decode reservation that could never fit, even in
         an empty cache: it would block every reservation behind it for good."""
         if request.kv_source:
-            need = self.blocks.blocks_needed(request.prompt_len + 1 + self.num_lookahead_tokens)
+            need = self.blocks.blocks_needed(request.num_handoff_tokens + 1 + self.num_lookahead_tokens)
             if need > self.blocks.num_blocks:
-                raise ValueError(f"prompt: {request.prompt_len} tokens need {need} KV blocks on this decode "
+                raise ValueError(f"prompt: {request.num_handoff_tokens} tokens need {need} KV blocks on this decode "
                                  f"instance (with t0 and {self.num_lookahead_tokens} lookahead slots); it has "
                                  f"{self.blocks.num_blocks} in all")
         self.requests[request.req_id] = request
@@ -116,19 +116,25 @@ class Scheduler:
 
     # -- KV from a prefill instance (decode role) ------------------------------------------
 
-    def kv_loaded(self, req_id: str, t0: int, num_tokens: int) -> None:
+    def kv_loaded(self, req_id: str, t0: int, num_tokens: int) -> RequestUpdate | None:
         """The prompt's KV is in the request's reserved blocks: the handoff (DESIGN.md §1 step 5),
-        prompt + [t0] with everything but t0 computed."""
+        prompt + [t0] with everything but t0 computed. A resumed request (failover) already holds
+        its streamed outputs; P handed back the last of them as t0, and the client has seen it."""
         request = self.requests.get(req_id)
         if request is None or request.status != RequestStatus.WAITING_FOR_KV:
-            return
-        request.append_output(t0)
+            return None
+        if not request.output_token_ids:
+            request.append_output(t0)
+        elif t0 != request.output_token_ids[-1]:
+            return self.kv_failed(req_id, f"resumed request: prefill handed over token {t0}, the client was "
+                                          f"streamed {request.output_token_ids[-1]}")
         request.num_computed_tokens = num_tokens
         request.kv_source = ""
         request.status = RequestStatus.WAITING
         # To the front of the queue: it holds memory, so running it soonest frees it soonest.
         self.waiting.remove(request)
         self.waiting.appendleft(request)
+        return None
 
     def kv_failed(self, req_id: str, reason: str, retryable: bool = True) -> RequestUpdate:
         request = self.requests.pop(req_id, None)
@@ -146,7 +152,7 @@ class Scheduler:
         for request in self.waiting:
             if not request.kv_source or request.status == RequestStatus.WAITING_FOR_KV:
                 continue
-            if self.blocks.allocate(request, request.prompt_len + 1 + self.num_lookahead_tokens) is None:
+            if self.blocks.allocate(request, request.num_handoff_tokens + 1 + self.num_lookahead_tokens) is None:
                 return
             request.status = RequestStatus.WAITING_FOR_KV
             self.connector.start_load(request)
@@ -166,7 +172,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_uncomputed = request.num_tokens - request.num_computed_tokens
+            num_uncomputed = request.num_tokens_to_compute - request.num_computed_tokens
             num_new = min(num_uncomputed + len(request.spec_token_ids), budget,
                           self.max_model_len - request.num_computed_tokens)
             new_blocks = self.blocks.allocate(request, num_new + self.num_lookahead_tokens)
@@ -204,7 +210,7 @@ class Scheduler:
             lookup = request.num_computed_tokens == 0 and not request.computes_prompt_logprobs
             cached = self.blocks.find_cached_prefix(request) if lookup else []
             num_computed = request.num_computed_tokens + len(cached) * self.blocks.block_size
-            num_new = min(request.num_tokens - num_computed, budget)
+            num_new = min(request.num_tokens_to_compute - num_computed, budget)
             if self.blocks.allocate(request, num_new + self.num_lookahead_tokens, cached) is None:
                 blocked = True
                 continue
@@ -232,6 +238,11 @@ class Scheduler:
             request.spec_token_ids = list(result.draft_token_ids[idx]) if result.draft_token_ids else []
             self.blocks.cache_full_blocks(request)
             request.prompt_logprobs.extend(result.prompt_logprobs.get(req_id, ()))
+            if request.resumed_handoff and request.num_computed_tokens >= request.num_tokens_to_compute:
+                # Resumed on P: the KV is complete and the token after it is known, so nothing is
+                # sampled or streamed here; the connector hands that token to D with the KV.
+                self._finish(request, FinishReason.HANDED_OFF)
+                continue
             update = self._append_tokens(request, result.sampled_token_ids[idx],
                                          result.logprobs[idx] if result.logprobs else [])
             if update is not None:

@@ -147,7 +147,8 @@ def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str) -> None:
     model_cfg = ModelConfig.from_dir(model)
     max_model_len = args.max_model_len or default_max_model_len(model_cfg)
     client = RemoteEngineClient(bind_addr, mode, max_model_len, model_cfg.vocab_size, model_cfg.eos_token_ids,
-                                dead_after_s=args.dead_after_s)
+                                dead_after_s=args.dead_after_s, max_resumes=args.max_resumes,
+                                resume_wait_s=args.resume_wait_s)
     app = build_app(client, load_tokenizer(model), args.served_model_name or Path(model).name,
                     api_key=args.api_key or None)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
@@ -264,21 +265,26 @@ def add_keygen(sub) -> None:
     keygen.set_defaults(func=cmd_keygen)
 
 
+def add_front_end_flags(p: argparse.ArgumentParser) -> None:
+    add_flag(p, "--host", str, "127.0.0.1", "HTTP host")
+    add_flag(p, "--port", int, 8000, "HTTP port")
+    add_flag(p, "--api-key", str, "", "require Authorization: Bearer KEY on /v1/*")
+    add_flag(p, "--served-model-name", str, None, "model name in the API (default: the folder name)")
+    add_flag(p, "--dead-after-s", float, 3.0, "declare an engine dead after this long without a heartbeat")
+    add_flag(p, "--max-resumes", int, 3, "failover: resume a request whose engine died mid-stream at most this "
+             "many times (0: off; the stream then ends with an error)")
+    add_flag(p, "--resume-wait-s", float, 20.0, "failover: wait this long for a live instance of a role a "
+             "failed request needs, then end its stream with an error")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def front_end_flags(p: argparse.ArgumentParser) -> None:
-        add_flag(p, "--host", str, "127.0.0.1", "HTTP host")
-        add_flag(p, "--port", int, 8000, "HTTP port")
-        add_flag(p, "--api-key", str, "", "require Authorization: Bearer KEY on /v1/*")
-        add_flag(p, "--served-model-name", str, None, "model name in the API (default: the folder name)")
-        add_flag(p, "--dead-after-s", float, 3.0, "declare an engine dead after this long without a heartbeat")
-
     serve = sub.add_parser("serve", help="front end + engines on this host")
     add_engine_flags(serve)
-    front_end_flags(serve)
+    add_front_end_flags(serve)
     add_flag(serve, "--mode", ServeMode, ServeMode.PD, "pd | colocated")
     add_flag(serve, "--num-prefill", int, 1, "prefill engine processes")
     add_flag(serve, "--num-decode", int, 1, "decode engine processes")
@@ -306,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     server = sub.add_parser("server", help="the HTTP front end alone, for engines started elsewhere")
     add_engine_flags(server)
-    front_end_flags(server)
+    add_front_end_flags(server)
     add_flag(server, "--bind-addr", str, "tcp://127.0.0.1:5500", "bind: the socket engines connect to")
     add_flag(server, "--mode", ServeMode, ServeMode.PD, "pd | colocated: which engine roles must be present")
     server.set_defaults(func=cmd_server)

@@ -4,6 +4,14 @@ The front end binds one ROUTER socket. Every engine connects a DEALER to it unde
 name and heart-beats; that is how instances are discovered, on any host and in any number, and
 how dead ones drop out and come back. Routing: least outstanding requests per role, round-robin
 among ties. Failures end in a retry (fresh prefill on another P) or a clear error, never a hang.
+
+Failover (DESIGN.md §5): the front end keeps every token it streamed. When an instance holding a
+request dies (or fails it with a retryable error) after tokens reached the client, the request is
+resumed: prompt + streamed tokens go to a live P, which computes the KV of all but the last streamed
+token and hands that token to a live D as its t0, under a new transfer id; D continues at the next
+output index, so the client's stream goes on with nothing repeated or missing. With no live
+instance of a needed role it waits for one up to `resume_wait_s`; `max_resumes` bounds the resumes
+of one request, so a request that crashes every D it lands on stops with a clear error.
 """
 from __future__ import annotations
 
@@ -12,7 +20,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 
 import msgspec
@@ -49,9 +57,13 @@ class Tracked:
     queue: asyncio.Queue
     prefill: str | None = None
     decode: str | None = None
-    got_first: bool = False       # t0 reached the client: a retry would repeat it, so no more retries
+    streamed: list[int] = field(default_factory=list)  # tokens delivered to the client: the resume point
     decode_started: bool = False  # D produced output: P's part is over
-    attempts: int = 0
+    attempts: int = 0             # retries before any token reached the client (a fresh prefill)
+    resumes: int = 0              # re-dispatches after tokens reached the client (failover)
+    failed_at: float | None = None       # when the failure being recovered from was seen
+    redispatch_by: float | None = None   # waiting for a live instance until then (monotonic)
+    failure: str = ""                    # what the request is recovering from, for the final error
     transfer_id: str = ""         # this attempt's KV transfer, on P and D alike (new on every retry)
     next_index: int = 0           # outputs delivered so far
     early: dict[int, msg.Output] = field(default_factory=dict)  # arrived ahead of their turn
@@ -59,8 +71,12 @@ class Tracked:
 
 class RemoteEngineClient:
     def __init__(self, bind_addr: str, mode: ServeMode, max_model_len: int, vocab_size: int, eos_token_ids: list[int],
-                 dead_after_s: float = 3.0, max_retries: int = 1, cluster_key: ClusterKey | None = None) -> None:
-        """`cluster_key` (default: from PDSERVE_CLUSTER_KEY[_FILE]) makes the engine socket CURVE-only."""
+                 dead_after_s: float = 3.0, max_retries: int = 1, cluster_key: ClusterKey | None = None,
+                 max_resumes: int = 3, resume_wait_s: float = 20.0) -> None:
+        """`cluster_key` (default: from PDSERVE_CLUSTER_KEY[_FILE]) makes the engine socket CURVE-only.
+        `max_retries`: fresh prefills of a request that failed before its first token reached the
+        client; `max_resumes`: resumes of one that failed after (0 turns failover off);
+        `resume_wait_s`: how long either waits for a live instance of the role it needs."""
         self.bind_addr = bind_addr
         self.cluster_key = cluster_key or ClusterKey.from_env()
         self.refused_connections = 0  # handshakes refused on the engine socket (no or wrong cluster key)
@@ -68,6 +84,12 @@ class RemoteEngineClient:
         self.max_model_len, self.vocab_size, self.eos_token_ids = max_model_len, vocab_size, eos_token_ids
         self.dead_after_s = dead_after_s
         self.max_retries = max_retries
+        self.max_resumes, self.resume_wait_s = max_resumes, resume_wait_s
+        self.num_resumed = 0                # requests resumed after tokens reached the client (each resume)
+        self.num_retried = 0                # fresh prefills of requests that failed before their first token
+        self.num_failed_after_resume = 0    # resumed requests that still ended in an error
+        self.resume_recovery_s: list[float] = []  # failure seen -> next token streamed, per resume (recent)
+        self.redispatching: dict[str, Tracked] = {}  # failed requests waiting for a live instance
         self.table: dict[str, Instance] = {}
         self.tracked: dict[str, Tracked] = {}
         # One round-robin counter per role: a shared one advances once for P and once for D per request,
@@ -114,7 +136,10 @@ class RemoteEngineClient:
 
     def counters(self) -> dict[str, float]:
         """The front end's own counters, for /metrics."""
-        return {"engine_connections_refused": float(self.refused_connections)}
+        return {"engine_connections_refused": float(self.refused_connections),
+                "requests_resumed_total": float(self.num_resumed),
+                "requests_retried_total": float(self.num_retried),
+                "requests_failed_after_resume_total": float(self.num_failed_after_resume)}
 
     async def _count_refusals(self, monitor: zmq.asyncio.Socket) -> None:
         """Every failed CURVE handshake on the engine socket: a process without the cluster key."""
@@ -183,17 +208,19 @@ class RemoteEngineClient:
 
     # -- routing -------------------------------------------------------------------------
 
-    def _pick(self, role: EngineRole, exclude: str | None = None) -> Instance | None:
+    def _pick(self, role: EngineRole, exclude: Collection[str] = ()) -> Instance | None:
         now = time.monotonic()
         live = [i for i in self.table.values()
-                if i.role == role and i.alive(now, self.dead_after_s) and i.name != exclude]
+                if i.role == role and i.alive(now, self.dead_after_s) and i.name not in exclude]
         if not live:
             return None
         start = next(self._rr[role]) % len(live)
         rotated = live[start:] + live[:start]
         return min(rotated, key=lambda i: len(i.outstanding))
 
-    def _dispatch(self, tracked: Tracked, avoid_prefill: str | None = None) -> None:
+    def _dispatch(self, tracked: Tracked, avoid: Collection[str] = ()) -> None:
+        """Send the request (resumed from `tracked.streamed`, if any) to an instance of each role it
+        needs, preferring others than those in `avoid` (the ones that just failed it)."""
         if self.mode != ServeMode.PD:
             inst = self._pick(EngineRole.COLOCATED)
             if inst is None:
@@ -203,9 +230,8 @@ class RemoteEngineClient:
             self._send(inst.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params))
             self.timeline.dispatched(tracked.req_id, len(tracked.prompt), inst.name, inst.name)
             return
-        p = self._pick(EngineRole.PREFILL, exclude=avoid_prefill) or (
-            self._pick(EngineRole.PREFILL) if avoid_prefill else None)
-        d = self._pick(EngineRole.DECODE)
+        p = self._pick(EngineRole.PREFILL, exclude=avoid) or self._pick(EngineRole.PREFILL)
+        d = self._pick(EngineRole.DECODE, exclude=avoid) or self._pick(EngineRole.DECODE)
         if p is None or d is None:
             raise EngineUnavailableError(f"no {'prefill' if p is None else 'decode'} instance is ready")
         tracked.prefill, tracked.decode = p.name, d.name
@@ -214,27 +240,60 @@ class RemoteEngineClient:
         d.outstanding.add(tracked.req_id)
         # Both at once under one id: D reserves while P prefills (DESIGN.md §1). The transfer id tells
         # this attempt's KV from an older attempt's on both sides.
-        tid = tracked.transfer_id
-        self._send(d.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params, p.heartbeat.kv_endpoint, tid))
-        self._send(p.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params, transfer_id=tid))
+        # A resumed request carries the tokens the client has: P computes the KV of all but the last
+        # and hands that one over as t0; D continues after it (engine/request.py, num_handoff_tokens).
+        tid, done = tracked.transfer_id, list(tracked.streamed)
+        self._send(d.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params, p.heartbeat.kv_endpoint, tid,
+                                      done))
+        self._send(p.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params, transfer_id=tid,
+                                      output_token_ids=done))
         self.timeline.dispatched(tracked.req_id, len(tracked.prompt), p.name, d.name)
 
-    def _retry_or_fail(self, tracked: Tracked, reason: str) -> None:
-        """A fresh prefill on another P if allowed, else a clear error to the client."""
+    def _recover(self, tracked: Tracked, reason: str, failed: Collection[str]) -> None:
+        """The instances `failed` died or failed the request retryably: end this attempt everywhere,
+        then a fresh prefill (nothing streamed yet) or a resume (tokens streamed) if the request's
+        limit allows, else a clear error to the client."""
         for name in {tracked.prefill, tracked.decode} - {None}:
             self._send(name, msg.Abort(tracked.req_id, tracked.transfer_id))
             self.table[name].outstanding.discard(tracked.req_id)
-        if self.mode == ServeMode.PD and not tracked.got_first and tracked.attempts < self.max_retries:
+        tracked.prefill = tracked.decode = None  # late outputs of this attempt are dropped from here on
+        if self.mode != ServeMode.PD:
+            return self._fail(tracked, reason)
+        if tracked.streamed:
+            if tracked.resumes >= self.max_resumes:
+                return self._fail(tracked, f"{reason}; not resumed again after {tracked.resumes} resume(s) "
+                                           f"(limit {self.max_resumes}, --max-resumes)")
+            tracked.resumes += 1
+            self.num_resumed += 1
+        elif tracked.attempts < self.max_retries:
             tracked.attempts += 1
-            tracked.early.clear()
-            failed_prefill = tracked.prefill
-            try:
-                self._dispatch(tracked, avoid_prefill=failed_prefill)
-                logger.warning("request %s: %s; retrying with a fresh prefill on %s", tracked.req_id, reason,
-                               tracked.prefill)
+            self.num_retried += 1
+        else:
+            return self._fail(tracked, reason)
+        tracked.early.clear()
+        tracked.decode_started = False
+        tracked.failure, tracked.failed_at = reason, time.monotonic()
+        tracked.redispatch_by = tracked.failed_at + self.resume_wait_s
+        self._redispatch(tracked, avoid=failed)
+
+    def _redispatch(self, tracked: Tracked, avoid: Collection[str] = ()) -> None:
+        """Dispatch a failed request again, or keep it waiting for a live instance until its deadline."""
+        try:
+            self._dispatch(tracked, avoid=avoid)
+        except EngineUnavailableError as e:
+            if time.monotonic() < tracked.redispatch_by:
+                self.redispatching[tracked.req_id] = tracked
                 return
-            except EngineUnavailableError as e:
-                reason = f"{reason}; {e}"
+            self.redispatching.pop(tracked.req_id, None)
+            return self._fail(tracked, f"{tracked.failure}; {e} (waited {self.resume_wait_s:g} s, --resume-wait-s)")
+        self.redispatching.pop(tracked.req_id, None)
+        what = f"resumed after {len(tracked.streamed)} streamed tokens" if tracked.streamed else "retried"
+        logger.warning("request %s: %s; %s on %s + %s", tracked.req_id, tracked.failure, what, tracked.prefill,
+                       tracked.decode)
+
+    def _fail(self, tracked: Tracked, reason: str) -> None:
+        if tracked.resumes:
+            self.num_failed_after_resume += 1
         tracked.queue.put_nowait(GenerationChunk([], finish_reason=FinishReason.ERROR, error=reason))
 
     def _send(self, name: str, message: msg.ToEngine) -> None:
@@ -247,6 +306,8 @@ class RemoteEngineClient:
         self.timeline.finished(tracked.req_id, FinishReason.ABORT)  # unless its stream already ended
         if self.tracked.get(tracked.req_id) is tracked:
             del self.tracked[tracked.req_id]
+        if self.redispatching.get(tracked.req_id) is tracked:
+            del self.redispatching[tracked.req_id]
         for inst in self.table.values():
             inst.outstanding.discard(tracked.req_id)
 
@@ -280,7 +341,8 @@ class RemoteEngineClient:
         if out.transfer_id and out.transfer_id != tracked.transfer_id:
             return  # from an older attempt on the same instance
         if out.finish_reason == FinishReason.ERROR and out.retryable:
-            self._retry_or_fail(tracked, out.error or "KV transfer failed")
+            # A failed transfer: P's side or D's (no memory in time), so try other instances of both.
+            self._recover(tracked, out.error or "KV transfer failed", {tracked.prefill, out.instance} - {None})
             return
         if out.token_ids and out.first_index != tracked.next_index:
             tracked.early[out.first_index] = out  # D's tokens can overtake t0 from P
@@ -292,8 +354,9 @@ class RemoteEngineClient:
     def _deliver(self, tracked: Tracked, out: msg.Output) -> None:
         tracked.next_index += len(out.token_ids)
         self.timeline.output(tracked.req_id, out.instance, len(out.token_ids))
-        if out.token_ids:
-            tracked.got_first = True
+        tracked.streamed.extend(out.token_ids)
+        if out.token_ids and tracked.failed_at is not None:
+            self._recovered(tracked)
         if out.instance == tracked.decode and tracked.decode != tracked.prefill and not tracked.decode_started:
             tracked.decode_started = True
             self.table[tracked.prefill].outstanding.discard(tracked.req_id)
@@ -303,14 +366,26 @@ class RemoteEngineClient:
         elif out.finish_reason == FinishReason.ERROR and self.mode == ServeMode.PD and out.instance == tracked.decode:
             # D failed it for good (no retry): P may still hold the KV for it; free it now, not at lease end.
             self._send(tracked.prefill, msg.Abort(tracked.req_id, tracked.transfer_id))
+        if out.finish_reason == FinishReason.ERROR and tracked.resumes:
+            self.num_failed_after_resume += 1
         tracked.queue.put_nowait(GenerationChunk(list(out.token_ids), list(out.logprobs), out.finish_reason, out.error,
                                                  queue_time=out.queue_time, prompt_logprobs=out.prompt_logprobs,
                                                  num_cached_tokens=out.num_cached_tokens))
+
+    def _recovered(self, tracked: Tracked) -> None:
+        """The first token after a retry or resume reached the client: how long the failure cost it."""
+        took = time.monotonic() - tracked.failed_at
+        tracked.failed_at = None
+        if tracked.resumes:
+            self.resume_recovery_s = [*self.resume_recovery_s[-999:], took]
+        logger.info("request %s: streaming again %.2f s after %s", tracked.req_id, took, tracked.failure)
 
     async def _watch_instances(self) -> None:
         announced_dead: set[str] = set()
         while True:
             await asyncio.sleep(0.25)
+            for tracked in list(self.redispatching.values()):
+                self._redispatch(tracked)
             now = time.monotonic()
             for name, inst in self.table.items():
                 if inst.heartbeat is None or inst.alive(now, self.dead_after_s):
@@ -324,4 +399,4 @@ class RemoteEngineClient:
                     if tracked is None:
                         inst.outstanding.discard(req_id)
                         continue
-                    self._retry_or_fail(tracked, f"{inst.role} instance {name} died")
+                    self._recover(tracked, f"{inst.role} instance {name} died", {name})

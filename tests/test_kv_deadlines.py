@@ -61,7 +61,9 @@ def test_reservation_that_cannot_fit_and_one_stuck_behind_full_memory(checkpoint
                          kv_reserve_deadline_s=1.0)
     state = hog_decode_memory(decode, 64)
     engines.start()
-    client = client_for(engines.server_addr, model, "pd", 64)
+    # max_resumes=0: this is about D's own deadline; failover would re-queue the request (its t0 was
+    # streamed) behind the same full memory, up to --max-resumes times.
+    client = client_for(engines.server_addr, model, "pd", 64, max_resumes=0)
     never, stuck = random_prompts(2, 63, 10, VOCAB, 143)
     stuck = stuck[:10]
     try:
@@ -99,7 +101,9 @@ def test_prefill_lease_expiry_reaches_decode_as_a_clear_error(checkpoints, tmp_p
                                                             num_threads=1))
     state = hog_decode_memory(decode, 256)
     engines.start()
-    client = client_for(engines.server_addr, model, "pd", 256)
+    # max_resumes=0: the error itself is under test; with failover on, the request (t0 streamed) is
+    # resumed with a fresh transfer and completes once memory is back.
+    client = client_for(engines.server_addr, model, "pd", 256, max_resumes=0)
     try:
         with running_client(client) as run:
             run(wait_ready(client))

@@ -75,7 +75,8 @@ def test_decode_killed_under_load_no_hang_no_leak(checkpoints, tmp_path):
     group.add("prefill", "prefill-0", model, "--max-model-len", "256", "--kv-lease-s", "2")
     group.add("decode", "decode-0", model, "--max-model-len", "256", "--max-num-seqs", "4",
               env={"PDSERVE_DEBUG_STEP_DELAY": "0.02"})
-    client = client_for(group.server_addr, model, "pd", 256, dead_after_s=1.0)
+    # With no decode left, failover waits resume_wait_s for one to come back, then fails clearly.
+    client = client_for(group.server_addr, model, "pd", 256, dead_after_s=1.0, resume_wait_s=1.0)
     try:
         with running_client(client) as run:
             run(wait_ready(client))
@@ -109,7 +110,7 @@ def test_prefill_killed_mid_prefill(num_prefill, checkpoints, references, tmp_pa
         group.add("prefill", f"prefill-{i}", model, "--max-model-len", "256", "--max-num-batched-tokens", "16",
                   env={"PDSERVE_DEBUG_STEP_DELAY": "0.25"})
     group.add("decode", "decode-0", model, "--max-model-len", "256", "--kv-deadline-s", "20")
-    client = client_for(group.server_addr, model, "pd", 256, dead_after_s=1.0)
+    client = client_for(group.server_addr, model, "pd", 256, dead_after_s=1.0, resume_wait_s=1.0)
     prompt = random_prompts(1, 200, 200, VOCAB, 83)[0]
     try:
         with running_client(client) as run:
