@@ -148,7 +148,7 @@ def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str) -> None:
     max_model_len = args.max_model_len or default_max_model_len(model_cfg)
     client = RemoteEngineClient(bind_addr, mode, max_model_len, model_cfg.vocab_size, model_cfg.eos_token_ids,
                                 dead_after_s=args.dead_after_s, max_resumes=args.max_resumes,
-                                resume_wait_s=args.resume_wait_s)
+                                resume_wait_s=args.resume_wait_s, local_prefill_above=args.local_prefill_above)
     app = build_app(client, load_tokenizer(model), args.served_model_name or Path(model).name,
                     api_key=args.api_key or None)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
@@ -191,6 +191,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     *engine_argv(args), "--num-threads", str(role_threads.get(role, threads))]
             if role == EngineRole.PREFILL:
                 argv += ["--kv-addr", f"ipc://{run_dir}/{name}-kv"]
+            if role == EngineRole.DECODE:  # the last --max-num-batched-tokens wins
+                budget = min(args.max_num_batched_tokens, args.decode_max_num_batched_tokens)
+                argv += ["--max-num-batched-tokens", str(budget)]
             if args.kv_key:
                 argv += ["--kv-key", args.kv_key]
             if args.kv_checksum:
@@ -275,6 +278,8 @@ def add_front_end_flags(p: argparse.ArgumentParser) -> None:
              "many times (0: off; the stream then ends with an error)")
     add_flag(p, "--resume-wait-s", float, 20.0, "failover: wait this long for a live instance of a role a "
              "failed request needs, then end its stream with an error")
+    add_flag(p, "--local-prefill-above", int, 1024, "PD: prefill a request on its decode instance when the "
+             "prefill instance already has more than this many prompt tokens queued (0: always on prefill)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -292,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_payload_flags(serve, "", "checksum every KV payload (xxh3), verified before admission")
     add_flag(serve, "--cpu-affinity", str, "none", "pin | none: pin each engine process to its own cores")
     add_flag(serve, "--prefill-threads", int, None, "torch threads of each prefill engine (default: --num-threads)")
+    add_flag(serve, "--decode-max-num-batched-tokens", int, 1024, "PD: token budget of a decode engine's step, "
+             "which bounds the chunk of a prompt prefilled there (--local-prefill-above) and so its streams' ITL")
     serve.set_defaults(func=cmd_serve)
 
     for role in (EngineRole.PREFILL, EngineRole.DECODE, EngineRole.COLOCATED):

@@ -68,20 +68,20 @@ class _InstanceCollector:
                 family.add_metric([info.name, info.role], float(value(info)))
             yield family
         yield from _engine_counters(infos)
-        own = dict.fromkeys(FAILOVER_COUNTERS, 0.0) | (self._counters() if self._counters else {})
+        own = dict.fromkeys(FRONT_END_COUNTERS, 0.0) | (self._counters() if self._counters else {})
         for key, val in own.items():  # the front end's own
-            name, doc = FAILOVER_COUNTERS.get(key, (metric_name(key), f"Front end counter {key}."))
-            family = CounterMetricFamily(name, doc)
+            family = CounterMetricFamily(metric_name(key), FRONT_END_COUNTERS.get(key, f"Front end counter {key}."))
             family.add_metric([], float(val))
             yield family
 
 
-# The router client's failover counters (its `counters()` keys), exported under fixed names (0 until
-# the first resume) because the Grafana dashboard (deploy/grafana/) and alerts are written against them.
-FAILOVER_COUNTERS = {
-    "resumed": ("pdserve_requests_resumed", "Requests resumed on another instance after theirs died."),
-    "failed_after_resume": ("pdserve_requests_failed_after_resume",
-                            "Resumed requests that still ended in an error."),
+# The router client's own counters (its `counters()` keys), exported as 0 until they first count:
+# the Grafana dashboard (deploy/grafana/) and alerts are written against them.
+FRONT_END_COUNTERS = {
+    "requests_resumed_total": "Requests resumed on another instance after theirs died mid-stream.",
+    "requests_retried_total": "Requests prefilled again after a failure before their first token.",
+    "requests_failed_after_resume_total": "Resumed requests that still ended in an error.",
+    "requests_prefilled_on_decode_total": "PD requests prefilled on their decode instance (prefill was queued up).",
 }
 
 

@@ -72,11 +72,12 @@ class Tracked:
 class RemoteEngineClient:
     def __init__(self, bind_addr: str, mode: ServeMode, max_model_len: int, vocab_size: int, eos_token_ids: list[int],
                  dead_after_s: float = 3.0, max_retries: int = 1, cluster_key: ClusterKey | None = None,
-                 max_resumes: int = 3, resume_wait_s: float = 20.0) -> None:
+                 max_resumes: int = 3, resume_wait_s: float = 20.0, local_prefill_above: int = 0) -> None:
         """`cluster_key` (default: from PDSERVE_CLUSTER_KEY[_FILE]) makes the engine socket CURVE-only.
         `max_retries`: fresh prefills of a request that failed before its first token reached the
         client; `max_resumes`: resumes of one that failed after (0 turns failover off);
-        `resume_wait_s`: how long either waits for a live instance of the role it needs."""
+        `resume_wait_s`: how long either waits for a live instance of the role it needs.
+        `local_prefill_above`: conditional disaggregation (0: off), see `_prefill_on_decode`."""
         self.bind_addr = bind_addr
         self.cluster_key = cluster_key or ClusterKey.from_env()
         self.refused_connections = 0  # handshakes refused on the engine socket (no or wrong cluster key)
@@ -85,6 +86,8 @@ class RemoteEngineClient:
         self.dead_after_s = dead_after_s
         self.max_retries = max_retries
         self.max_resumes, self.resume_wait_s = max_resumes, resume_wait_s
+        self.local_prefill_above = local_prefill_above
+        self.num_local_prefills = 0         # PD requests prefilled on their decode instance (P was queued up)
         self.num_resumed = 0                # requests resumed after tokens reached the client (each resume)
         self.num_retried = 0                # fresh prefills of requests that failed before their first token
         self.num_failed_after_resume = 0    # resumed requests that still ended in an error
@@ -139,7 +142,8 @@ class RemoteEngineClient:
         return {"engine_connections_refused": float(self.refused_connections),
                 "requests_resumed_total": float(self.num_resumed),
                 "requests_retried_total": float(self.num_retried),
-                "requests_failed_after_resume_total": float(self.num_failed_after_resume)}
+                "requests_failed_after_resume_total": float(self.num_failed_after_resume),
+                "requests_prefilled_on_decode_total": float(self.num_local_prefills)}
 
     async def _count_refusals(self, monitor: zmq.asyncio.Socket) -> None:
         """Every failed CURVE handshake on the engine socket: a process without the cluster key."""
@@ -225,17 +229,17 @@ class RemoteEngineClient:
             inst = self._pick(EngineRole.COLOCATED)
             if inst is None:
                 raise EngineUnavailableError("no engine instance is ready")
-            tracked.prefill = tracked.decode = inst.name
-            inst.outstanding.add(tracked.req_id)
-            self._send(inst.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params))
-            self.timeline.dispatched(tracked.req_id, len(tracked.prompt), inst.name, inst.name)
-            return
+            return self._dispatch_to(tracked, inst, msg.Submit(tracked.req_id, tracked.prompt, tracked.params))
         p = self._pick(EngineRole.PREFILL, exclude=avoid) or self._pick(EngineRole.PREFILL)
         d = self._pick(EngineRole.DECODE, exclude=avoid) or self._pick(EngineRole.DECODE)
         if p is None or d is None:
             raise EngineUnavailableError(f"no {'prefill' if p is None else 'decode'} instance is ready")
-        tracked.prefill, tracked.decode = p.name, d.name
         tracked.transfer_id = uuid.uuid4().hex[:16]
+        if self._prefill_on_decode(tracked, p, d):
+            self.num_local_prefills += 1
+            return self._dispatch_to(tracked, d, msg.Submit(tracked.req_id, tracked.prompt, tracked.params,
+                                                            transfer_id=tracked.transfer_id))
+        tracked.prefill, tracked.decode = p.name, d.name
         p.outstanding.add(tracked.req_id)
         d.outstanding.add(tracked.req_id)
         # Both at once under one id: D reserves while P prefills (DESIGN.md §1). The transfer id tells
@@ -248,6 +252,29 @@ class RemoteEngineClient:
         self._send(p.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params, transfer_id=tid,
                                       output_token_ids=done))
         self.timeline.dispatched(tracked.req_id, len(tracked.prompt), p.name, d.name)
+
+    def _dispatch_to(self, tracked: Tracked, inst: Instance, submit: msg.Submit) -> None:
+        """The whole request on one instance: colocated, or prefilled on its decode instance."""
+        tracked.prefill = tracked.decode = inst.name
+        inst.outstanding.add(tracked.req_id)
+        self._send(inst.name, submit)
+        self.timeline.dispatched(tracked.req_id, len(tracked.prompt), inst.name, inst.name)
+
+    def _queued_prefill_tokens(self, inst: Instance) -> int:
+        """Prompt tokens of the requests `inst` holds that have not streamed a token yet."""
+        pending = (self.tracked.get(r) for r in inst.outstanding)
+        return sum(len(t.prompt) for t in pending if t is not None and not t.streamed and t.prefill == inst.name)
+
+    def _prefill_on_decode(self, tracked: Tracked, p: Instance, d: Instance) -> bool:
+        """Conditional disaggregation (as Dynamo does it): when the chosen P already has more than
+        `local_prefill_above` prompt tokens waiting, a fresh request is prefilled on its D instead,
+        as on a colocated engine, unless that D has at least as much prefill queued itself. Under a
+        stream of long prompts one P is the bottleneck: the queue shows up as TTFT while D idles
+        between decode steps; D's chunked prefill costs its running streams some ITL instead."""
+        if not self.local_prefill_above or tracked.streamed:
+            return False  # a resume keeps the handoff path: D continues from the streamed tokens
+        queued_p = self._queued_prefill_tokens(p)
+        return queued_p > self.local_prefill_above and self._queued_prefill_tokens(d) + len(tracked.prompt) <= queued_p
 
     def _recover(self, tracked: Tracked, reason: str, failed: Collection[str]) -> None:
         """The instances `failed` died or failed the request retryably: end this attempt everywhere,
@@ -360,10 +387,12 @@ class RemoteEngineClient:
         if out.instance == tracked.decode and tracked.decode != tracked.prefill and not tracked.decode_started:
             tracked.decode_started = True
             self.table[tracked.prefill].outstanding.discard(tracked.req_id)
-        if out.finish_reason and self.mode == ServeMode.PD and out.instance == tracked.prefill:
+        handoff = tracked.prefill != tracked.decode
+        if out.finish_reason and self.mode == ServeMode.PD and handoff and out.instance == tracked.prefill:
             # Finished on P already (t0 was a stop, or an error): the D reservation is not needed.
             self._send(tracked.decode, msg.Abort(tracked.req_id, tracked.transfer_id))
-        elif out.finish_reason == FinishReason.ERROR and self.mode == ServeMode.PD and out.instance == tracked.decode:
+        elif out.finish_reason == FinishReason.ERROR and self.mode == ServeMode.PD and handoff and \
+                out.instance == tracked.decode:
             # D failed it for good (no retry): P may still hold the KV for it; free it now, not at lease end.
             self._send(tracked.prefill, msg.Abort(tracked.req_id, tracked.transfer_id))
         if out.finish_reason == FinishReason.ERROR and tracked.resumes:

@@ -21,7 +21,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, Response
 
-from server.metrics import FAILOVER_COUNTERS
+from server.metrics import FRONT_END_COUNTERS
 from server.protocol import EngineClient, InstanceInfo
 from server.timeline import RequestTrace
 
@@ -118,7 +118,7 @@ class StatusBoard:
         return StatusSnapshot(
             now=now, mode=str(getattr(self.client, "mode", "local")), ready=self.client.is_ready(),
             instances=instances, acceptance=Acceptance(_acceptance(num_drafts, accepted), num_drafts, mean_len),
-            counters=dict.fromkeys(FAILOVER_COUNTERS, 0.0) | (counters_of() if counters_of else {}),
+            counters=dict.fromkeys(FRONT_END_COUNTERS, 0.0) | (counters_of() if counters_of else {}),
             requests=timeline.recent(RECENT_REQUESTS) if timeline is not None else [])
 
     def _instance(self, info: InstanceInfo, now: float) -> InstanceStatus:

@@ -25,6 +25,7 @@ from conftest import REPO
 from pd_harness import free_port, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.metrics import FRONT_END_COUNTERS
 from server.procs import stop_process_group
 from server.timeline import Timeline
 
@@ -208,8 +209,8 @@ def test_every_dashboard_query_names_an_exported_metric(stack):
                  "pdserve:e2e_request_latency_seconds_bucket", "pdserve:num_requests_running",
                  "pdserve:num_requests_waiting", "pdserve:kv_cache_usage_perc",
                  "pdserve:kv_transfer_bytes_received_total", "pdserve:kv_transfer_latency_seconds_sum_total",
-                 "pdserve:spec_decode_num_accepted_tokens_per_pos_total", "pdserve_requests_resumed_total",
-                 "pdserve_requests_failed_after_resume_total", "pdserve:request_errors_total"):
+                 "pdserve:spec_decode_num_accepted_tokens_per_pos_total", "pdserve:requests_resumed_total",
+                 "pdserve:requests_failed_after_resume_total", "pdserve:request_errors_total"):
         assert name in checked, f"no dashboard query uses {name}"
 
 
@@ -373,7 +374,7 @@ def test_colocated_status_shows_the_instance_only(tmp_path):
         assert [(i["name"], i["kv_usage"], i["num_running"]) for i in status["instances"]] == [("colocated-0", 0.25, 2)]
         assert [(r["req_id"], r["prefill"], r["decode"], r["decode_first"]) for r in status["requests"]] == [
             ("cmpl-live", "colocated-0", "colocated-0", None), ("cmpl-done", "colocated-0", "colocated-0", None)]
-        assert status["counters"] == {"resumed": 0.0, "failed_after_resume": 0.0}
+        assert status["counters"] == dict.fromkeys(FRONT_END_COUNTERS, 0.0)
         binary = chromium()
         parser = _Rows()
         parser.feed(headless(binary, tmp_path / "profile", "--dump-dom", f"http://127.0.0.1:{port}/status").stdout)
