@@ -69,7 +69,7 @@ def add_switch(p: argparse.ArgumentParser, flag: str, help_: str) -> None:
 
 def add_kv_payload_flags(p: argparse.ArgumentParser, who: str, checksum_help: str) -> None:
     add_switch(p, "--kv-checksum", checksum_help)
-    add_flag(p, "--kv-transfer-mode", KVTransferMode, KVTransferMode.LAYERWISE, who + KV_MODE_HELP)
+    add_flag(p, "--kv-transfer-mode", KVTransferMode, KVTransferMode.AFTER_PREFILL, who + KV_MODE_HELP)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:

@@ -173,7 +173,8 @@ def test_decode_vanishing_mid_stream_leaves_nothing_held_on_prefill(checkpoints,
     model = str(checkpoints["qwen2"])
     engines = ThreadedEngines(tmp_path)
     prefill = engines.add("prefill", "prefill-0", EngineConfig(model=model, max_model_len=256,
-                                                               max_num_batched_tokens=32), kv_lease_s=1.5)
+                                                               max_num_batched_tokens=32), kv_lease_s=1.5,
+                          kv_mode="layerwise")
     engines.start()
     ctx = zmq.Context()
     front = ctx.socket(zmq.ROUTER)  # stands in for the front end
