@@ -205,13 +205,16 @@ class ModelRunner:
         out_index = np.repeat(self._num_output(slots) - starts, width) + np.arange(int(width.sum()))
         drafts_before = [d[:j] for d in drafts for j in range(len(d) + 1)]
         meta = self._position_metadata(pos_slots, out_index, drafts_before)
-        if self.grammar.any_active(slots.tolist()):  # structured output: position j masked after drafts[:j]
+        constrained = self.grammar.any_active(slots.tolist())
+        if constrained:  # structured output: position j masked after drafts[:j]
             meta.allowed_token_mask = self.grammar.position_masks(slots.tolist(), drafts)
         targets = self.sampler(logits, meta).sampled_token_ids.tolist()  # the step's one sync
         kept = accept_matching_prefix(targets, k.tolist(), drafts).accepted_token_ids
-        for row, slot, toks in zip(rows.tolist(), slots.tolist(), kept):
+        for row, toks in zip(rows.tolist(), kept):
             accepted[row] = toks
-            self.grammar.advance(slot, toks)
+        if constrained:  # unconstrained batches skip the per-row matcher calls
+            for slot, toks in zip(slots.tolist(), kept):
+                self.grammar.advance(slot, toks)
         return accepted, self._logprobs(logits, k, slots, rows, kept, len(batch.req_ids))
 
     def _write_back(self, batch: InputBatch, accepted: list[list[int]]) -> None:
