@@ -36,13 +36,17 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 SHAPE = (3, 2, 8, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 
 
-def run_pd(tmp_path, model: str, batches, mode: str, spec: str | None = "mtp", decode_kwargs=None, **prefill_kv):
-    """Each batch of prompts runs after the previous one finished."""
+def run_pd(tmp_path, model: str, batches, mode: str, spec: str | None = "mtp", decode_kwargs=None, prefill_hook=None,
+           **prefill_kv):
+    """Each batch of prompts runs after the previous one finished; `prefill_hook(prefill)` runs
+    before the engines start."""
     engines = ThreadedEngines(tmp_path)
     common = dict(model=model, max_model_len=320, num_threads=1, speculative_method=spec, num_speculative_tokens=1)
     prefill = engines.add("prefill", "prefill-0", EngineConfig(**common, max_num_batched_tokens=64),
                           kv_mode=mode, kv_checksum=True, **prefill_kv)
     decode = engines.add("decode", "decode-0", EngineConfig(**common, max_num_seqs=4), **(decode_kwargs or {}))
+    if prefill_hook is not None:
+        prefill_hook(prefill)
     engines.start()
     client = client_for(engines.server_addr, model, "pd", 320)
     try:
@@ -88,6 +92,32 @@ def test_pd_equals_transformers_in_both_modes_with_mtp_chunks_and_prefix_hits(mo
         assert d_counters["kv_transfer_layers_received"] > 5 * len(prompts)
     else:
         assert d_counters["kv_transfer_layers_received"] == 0
+
+
+@pytest.mark.parametrize("mode", list(KVTransferMode))
+def test_prompt_cached_but_its_last_token_still_gets_its_mtp_layer_when_p_drafts_nothing(mode, mtp_checkpoints,
+                                                                                         references, tmp_path):
+    """A prompt whose prefix-cache hit on P covers all but its last token starts on P as a decode
+    row (one position to compute). When P's speculation policy chose k=0 the MTP layer used to
+    skip that row, so the MTP KV of the prompt's last position was never written: in layer-wise
+    mode D waited out its deadline for the MTP layer, in after-prefill mode it got a stale one."""
+    prompt = random_prompts(1, 4 * 16 + 1, 4 * 16 + 1, VOCAB, 154)[0]  # 4 full blocks + 1 token
+
+    def no_drafts_on_p(prefill):
+        prefill.core.runner.spec_policy.choose = lambda batch_size: 0
+
+    results, p_counters, d_counters = run_pd(tmp_path, str(mtp_checkpoints["qwen2"]), [[prompt], [prompt]], mode,
+                                             decode_kwargs={"kv_deadline_s": 5.0}, prefill_hook=no_drafts_on_p)
+    assert p_counters["prefix_cache_hit_blocks"] >= 4
+    for r in results:
+        assert r["error"] is None and r["finish_reason"] == "length", r
+        references["qwen2"].assert_matches(prompt, r["tokens"], NEW, f"{mode}/cached prompt")
+    # Both modes: each request's one transfer landed (no deadline, no resume), and the MTP pass over
+    # the prompt's last position ran on P (its end starts the hand-off clock).
+    assert d_counters["kv_transfer_transfers_received"] == 2 and d_counters["kv_transfer_transfers_failed"] == 0
+    assert d_counters["kv_transfer_handoff_seconds_count"] == 2
+    if mode == KVTransferMode.LAYERWISE:
+        assert p_counters["kv_transfer_layers_sent"] == d_counters["kv_transfer_layers_received"]
 
 
 def test_layerwise_without_mtp_and_tiny_chunks(checkpoints, references, tmp_path):

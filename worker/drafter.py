@@ -58,7 +58,11 @@ class MTPDrafter:
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         n_valid = batch.num_valid(accepted)
         drafting = batch.samples & (k > 0)
-        in_pass = batch.is_prefilling | drafting
+        # Rows whose prompt KV is handed to a decode instance (tapped) need the MTP layer's KV of
+        # every prompt position now: the request leaves this engine, so no later pass backfills it.
+        # That includes a prompt cached up to its last token, which starts here as a decode row.
+        handed_over = self.kv_tap.tapped(batch.req_ids) if self.kv_tap is not None else False
+        in_pass = batch.is_prefilling | drafting | handed_over
         overflow = self._stash(batch, hidden, n_valid, ~in_pass)
         self.flushed = bool(overflow.any())
         in_pass |= overflow

@@ -73,6 +73,10 @@ class StepTap:
     def __init__(self, tap: KVTap, rows: dict[str, TapRow]) -> None:
         self.tap, self.rows = tap, rows
 
+    def tapped(self, req_ids: Sequence[str]) -> np.ndarray:
+        """Per row of the step, whether it has prompt positions to report."""
+        return np.array([r in self.rows for r in req_ids], dtype=bool)
+
     def last_layer_done(self) -> None:
         """The pass that writes the last KV layer (the model forward, or the MTP pass) is over."""
         for row in self.rows.values():
