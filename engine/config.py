@@ -113,10 +113,12 @@ class KVTransferConfig:
     # benchmarks/results/bench_pd.txt measures what it costs against raw ZMQ.
     checksum: bool = False
     # prefill: when the KV goes out (engine.types.KVTransferMode); benchmarks/results/bench_pd.txt
-    # measures the hand-off latency of both. Layer-wise cuts the hand-off by 57-78%, but under MTP at
-    # temperature 1 with 16 streams one transfer per run stalled until D's 60 s deadline
-    # (benchmarks/results/spec_serving.md), so the default stays the whole-prompt message until that is fixed.
-    mode: str = "after-prefill"
+    # measures the hand-off latency of both: layer-wise cuts it by 54-79% on 1.5k-token prompts.
+    mode: str = "layerwise"
+    # prefill, layer-wise: prompts shorter than this go in one message after the prefill all the same.
+    # Each layer snapshot costs P's step a fixed ~0.3 ms, more than a short prompt's whole-transfer
+    # hand-off saves (benchmarks/results/bench_pd.txt, section (c) and the short-prompt A/B). 0: every prompt.
+    layerwise_min_tokens: int = 512
 
 
 @dataclass

@@ -72,7 +72,7 @@ class EngineCore:
         self.connector = self.scheduler.connector = connector
         if connector.taps_layers:  # prefill: attention reports each layer's KV writes to the connector
             self.runner.kv_tap = KVTap(self.runner.kv_cache, self.config.block_size, connector.tap_target,
-                                       connector.on_layer, connector.snapshots_layers, connector.on_layers_done)
+                                       connector.on_layer, connector.snapshots, connector.on_layers_done)
 
     # -- requests ------------------------------------------------------------------------
 

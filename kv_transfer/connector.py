@@ -54,7 +54,6 @@ class KVConnector:
     role: EngineRole = EngineRole.COLOCATED
     kv_endpoint: str = ""  # where decode instances dial this engine's KV port (prefill only)
     taps_layers = False    # the runner reports each layer's KV writes (tap_target, on_layer)
-    snapshots_layers = False  # ... with a host copy of the KV (layer-wise push)
 
     def on_new_request(self, request: Request, prefill_endpoint: str) -> None:
         """Mark what the request needs from KV transfer, before the scheduler sees it."""
@@ -81,6 +80,10 @@ class KVConnector:
         """The prompt length whose KV the runner should report for `req_id`, None: not this one."""
         return None
 
+    def snapshots(self, req_id: str) -> bool:
+        """Whether the runner hands `on_layer` a host copy of each layer's KV of `req_id` (layer-wise push)."""
+        return False
+
     def on_layer(self, req_id: str, layer: int, start: int, end: int, kv: torch.Tensor,
                  ready: torch.cuda.Event | None) -> None:
         """KV `layer` of positions [start, end) of `req_id`'s prompt is written (`kv`: its host copy)."""
@@ -106,10 +109,11 @@ class PrefillConnector(KVConnector):
     role = EngineRole.PREFILL
     taps_layers = True
 
-    def __init__(self, sender: KVSender, kv_endpoint: str, layerwise: bool = False) -> None:
+    def __init__(self, sender: KVSender, kv_endpoint: str, layerwise_min_tokens: int | None = None) -> None:
+        """`layerwise_min_tokens`: stream the layers of prompts at least this long (None: never)."""
         self.sender = sender
         self.kv_endpoint = kv_endpoint
-        self.snapshots_layers = layerwise
+        self.layerwise_min_tokens = layerwise_min_tokens
         self.prefilling: dict[str, Request] = {}
 
     def on_new_request(self, request: Request, prefill_endpoint: str) -> None:
@@ -120,6 +124,12 @@ class PrefillConnector(KVConnector):
     def tap_target(self, req_id: str) -> int | None:
         request = self.prefilling.get(req_id)
         return request.num_handoff_tokens if request is not None else None
+
+    def snapshots(self, req_id: str) -> bool:
+        """Whether this request's KV goes out layer by layer (else whole, once its prefill is over)."""
+        request = self.prefilling.get(req_id)
+        return (request is not None and self.layerwise_min_tokens is not None
+                and request.num_handoff_tokens >= self.layerwise_min_tokens)
 
     def on_layer(self, req_id: str, layer: int, start: int, end: int, kv: torch.Tensor,
                  ready: torch.cuda.Event | None) -> None:
@@ -240,7 +250,7 @@ def get_kv_connector(role: EngineRole, ctx: zmq.Context, kv_cache: torch.Tensor,
                           lambda theirs: describe_difference(compat, theirs), cluster_key,
                           layerwise=kv.mode == KVTransferMode.LAYERWISE)
         return PrefillConnector(sender, kv.advertise or advertised(sender.address),
-                                layerwise=kv.mode == KVTransferMode.LAYERWISE)
+                                kv.layerwise_min_tokens if kv.mode == KVTransferMode.LAYERWISE else None)
     if role == EngineRole.DECODE:
         vocab = (compat.get("config") or {}).get("vocab_size")
         receiver = KVReceiver(ctx, kv_cache, chash, desc_text, name, kv.deadline_s, kv.key, vocab,

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.config import EngineConfig, ModelConfig, default_max_model_len, default_model
+from engine.config import EngineConfig, KVTransferConfig, ModelConfig, default_max_model_len, default_model
 from engine.types import EngineRole, KVTransferMode, ServeMode
 
 logger = logging.getLogger("pdserve")
@@ -54,6 +54,7 @@ def _env(flag: str) -> str:
 
 KV_MODE_HELP = ("layerwise | after-prefill: push each layer's KV as the prefill writes it, or all of it after "
                 "(benchmarks/results/bench_pd.txt)")
+KV_MIN_HELP = "layer-wise mode: prompts shorter than this go in one message after their prefill (0: none)"
 
 
 def add_flag(p: argparse.ArgumentParser, flag: str, typ, default, help_: str) -> None:
@@ -69,7 +70,8 @@ def add_switch(p: argparse.ArgumentParser, flag: str, help_: str) -> None:
 
 def add_kv_payload_flags(p: argparse.ArgumentParser, who: str, checksum_help: str) -> None:
     add_switch(p, "--kv-checksum", checksum_help)
-    add_flag(p, "--kv-transfer-mode", KVTransferMode, KVTransferMode.AFTER_PREFILL, who + KV_MODE_HELP)
+    add_flag(p, "--kv-transfer-mode", KVTransferMode, KVTransferMode.LAYERWISE, who + KV_MODE_HELP)
+    add_flag(p, "--kv-layerwise-min-tokens", int, KVTransferConfig.layerwise_min_tokens, who + KV_MIN_HELP)
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -131,7 +133,7 @@ def cmd_engine(args: argparse.Namespace) -> None:
                        kv_addr=args.kv_addr, kv_advertise=args.kv_advertise, kv_key=args.kv_key,
                        kv_lease_s=args.kv_lease_s, kv_deadline_s=args.kv_deadline_s,
                        kv_reserve_deadline_s=args.kv_reserve_deadline_s, kv_checksum=args.kv_checksum,
-                       kv_mode=args.kv_transfer_mode)
+                       kv_mode=args.kv_transfer_mode, kv_layerwise_min_tokens=args.kv_layerwise_min_tokens)
 
 
 def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str) -> None:
@@ -198,7 +200,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 argv += ["--kv-key", args.kv_key]
             if args.kv_checksum:
                 argv += ["--kv-checksum"]
-            argv += ["--kv-transfer-mode", args.kv_transfer_mode]
+            argv += ["--kv-transfer-mode", args.kv_transfer_mode,
+                     "--kv-layerwise-min-tokens", str(args.kv_layerwise_min_tokens)]
             children.append(subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], env=env))
             if args.cpu_affinity == "pin":
                 os.sched_setaffinity(children[-1].pid, engine_cpus(len(children) - 1, threads, cores))

@@ -43,7 +43,7 @@ def run_pd(tmp_path, model: str, batches, mode: str, spec: str | None = "mtp", d
     engines = ThreadedEngines(tmp_path)
     common = dict(model=model, max_model_len=320, num_threads=1, speculative_method=spec, num_speculative_tokens=1)
     prefill = engines.add("prefill", "prefill-0", EngineConfig(**common, max_num_batched_tokens=64),
-                          kv_mode=mode, kv_checksum=True, **prefill_kv)
+                          kv_mode=mode, kv_checksum=True, **{"kv_layerwise_min_tokens": 0, **prefill_kv})
     decode = engines.add("decode", "decode-0", EngineConfig(**common, max_num_seqs=4), **(decode_kwargs or {}))
     if prefill_hook is not None:
         prefill_hook(prefill)
@@ -120,6 +120,20 @@ def test_prompt_cached_but_its_last_token_still_gets_its_mtp_layer_when_p_drafts
         assert p_counters["kv_transfer_layers_sent"] == d_counters["kv_transfer_layers_received"]
 
 
+def test_prompts_below_the_layerwise_threshold_go_whole(mtp_checkpoints, references, tmp_path):
+    """--kv-layerwise-min-tokens: a short prompt's KV goes in one message after its prefill (a layer
+    snapshot costs more than it saves there), a long one's layer by layer; both exact."""
+    short, long_ = random_prompts(1, 40, 40, VOCAB, 155)[0], random_prompts(1, 200, 200, VOCAB, 156)[0]
+    results, p_counters, d_counters = run_pd(tmp_path, str(mtp_checkpoints["qwen2"]), [[short], [long_]],
+                                             KVTransferMode.LAYERWISE, kv_layerwise_min_tokens=100)
+    for p, r in zip((short, long_), results):
+        assert r["error"] is None, r
+        references["qwen2"].assert_matches(p, r["tokens"], NEW, f"{len(p)} tokens")
+    assert d_counters["kv_transfer_transfers_received"] == 2
+    # Only the long prompt streamed: 3 KV layers (2 target + MTP) x its four 64-token chunks.
+    assert p_counters["kv_transfer_layers_sent"] == d_counters["kv_transfer_layers_received"] == 3 * 4
+
+
 def test_layerwise_without_mtp_and_tiny_chunks(checkpoints, references, tmp_path):
     prompts = random_prompts(3, 30, 120, VOCAB, 153)
     results, _, d_counters = run_pd(tmp_path, str(checkpoints["llama"]), [prompts], KVTransferMode.LAYERWISE, spec=None)
@@ -135,7 +149,8 @@ def test_partial_stream_ends_in_the_failure_path_with_every_block_back(checkpoin
     model = str(checkpoints["qwen2"])
     engines = ThreadedEngines(tmp_path)
     cfg = dict(model=model, max_model_len=128, num_threads=1)
-    prefill = engines.add("prefill", "prefill-0", EngineConfig(**cfg), kv_mode="layerwise", kv_lease_s=30.0)
+    prefill = engines.add("prefill", "prefill-0", EngineConfig(**cfg), kv_mode="layerwise", kv_layerwise_min_tokens=0,
+                          kv_lease_s=30.0)
     decode = engines.add("decode", "decode-0", EngineConfig(**cfg), kv_deadline_s=1.5)
     publish = prefill.connector.sender.publish_layer
 
@@ -176,7 +191,8 @@ def test_a_layer_corrupted_on_the_wire_is_caught_before_admission(checkpoints, r
     model = str(checkpoints["qwen2"])
     engines = ThreadedEngines(tmp_path)
     cfg = dict(model=model, max_model_len=128, num_threads=1)
-    engines.add("prefill", "prefill-0", EngineConfig(**cfg), kv_mode="layerwise", kv_checksum=True)
+    engines.add("prefill", "prefill-0", EngineConfig(**cfg), kv_mode="layerwise", kv_layerwise_min_tokens=0,
+                kv_checksum=True)
     decode = engines.add("decode", "decode-0", EngineConfig(**cfg))
     engines.start()
     client = client_for(engines.server_addr, model, "pd", 128)
@@ -204,7 +220,7 @@ def test_decode_vanishing_mid_stream_leaves_nothing_held_on_prefill(checkpoints,
     engines = ThreadedEngines(tmp_path)
     prefill = engines.add("prefill", "prefill-0", EngineConfig(model=model, max_model_len=256,
                                                                max_num_batched_tokens=32), kv_lease_s=1.5,
-                          kv_mode="layerwise")
+                          kv_mode="layerwise", kv_layerwise_min_tokens=0)
     engines.start()
     ctx = zmq.Context()
     front = ctx.socket(zmq.ROUTER)  # stands in for the front end

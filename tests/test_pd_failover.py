@@ -62,9 +62,10 @@ def test_forced_resumes_are_exact_greedy_and_seeded(mtp_checkpoints, references,
     model = str(mtp_checkpoints["qwen2"])
     engines = ThreadedEngines(tmp_path)
     common = dict(model=model, max_model_len=256, num_threads=1, block_size=16)
-    # Layer-wise KV (not the default): a resumed request's layer stream must cover prompt + streamed[:-1].
+    # Layer-wise KV for these short prompts too: a resumed request's layer stream must cover prompt + streamed[:-1].
     engines.add("prefill", "prefill-0", EngineConfig(**common, speculative_method="mtp", num_speculative_tokens=1,
-                                                     max_num_batched_tokens=32), kv_mode="layerwise")
+                                                     max_num_batched_tokens=32), kv_mode="layerwise",
+                                                     kv_layerwise_min_tokens=0)
     engines.add("decode", "decode-0", EngineConfig(**common, speculative_method="mtp", num_speculative_tokens=2))
     engines.start()
     client = client_for(engines.server_addr, model, "pd", 256)

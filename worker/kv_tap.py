@@ -22,6 +22,7 @@ import torch
 from worker.input_batch import StepLayout
 
 TapTarget = Callable[[str], int | None]   # req_id -> prompt length to report, None: not tapped
+Snapshots = Callable[[str], bool]         # req_id -> whether its layers go to the sink (layer-wise push)
 LayersDone = Callable[[str], None]        # req_id: the forward of the prompt's last KV layer is over
 # (req_id, layer, start, end, kv [2, end - start, heads, dim] on the host, copy-done event or None)
 LayerSink = Callable[[str, int, int, int, torch.Tensor, torch.cuda.Event | None], None]
@@ -33,13 +34,15 @@ class TapRow:
     start: int   # first position to report (0 on a request's first chunk)
     end: int     # one past the last, at most the prompt's length
     last: bool   # the prompt's last chunk
+    snapshot: bool  # hand each layer's KV of [start, end) to the sink
 
 
 class KVTap:
     def __init__(self, kv_cache: torch.Tensor, block_size: int, target: TapTarget, sink: LayerSink,
-                 snapshot: bool, layers_done: LayersDone) -> None:
-        """`snapshot`: hand the sink a host copy of each layer's KV; else only report `layers_done`.
-        `layers_done` hears when the last KV layer's forward over a prompt's last chunk is over."""
+                 snapshot: Snapshots, layers_done: LayersDone) -> None:
+        """`snapshot(req_id)`: hand the sink a host copy of each layer's KV of that request; else
+        only report `layers_done`, which hears when the last KV layer's forward over a prompt's
+        last chunk is over."""
         self.kv_cache, self.block_size, self.target, self.sink = kv_cache, block_size, target, sink
         self.layers_done = layers_done
         self.snapshot = snapshot
@@ -62,7 +65,8 @@ class KVTap:
             end = min(start + int(layout.query_lens[r]), prompt_len)
             if end <= start:
                 continue
-            rows[req_id] = TapRow(req_id, min(self.reported.get(req_id, 0), start), end, end == prompt_len)
+            rows[req_id] = TapRow(req_id, min(self.reported.get(req_id, 0), start), end, end == prompt_len,
+                                  self.snapshot(req_id))
             self.reported[req_id] = end
         return StepTap(self, rows) if rows else None
 
@@ -88,7 +92,7 @@ class StepTap:
         picked = []
         for r, req_id in enumerate(req_ids):
             row = self.rows.get(req_id)
-            if row is None:
+            if row is None or not row.snapshot:
                 continue
             pos = np.arange(row.start, row.end)
             slots = layout.block_tables[r, pos // bs].astype(np.int64) * bs + pos % bs
@@ -104,8 +108,6 @@ class LayerTap:
 
     def __call__(self, layer: int) -> None:
         tap = self.tap
-        if not tap.snapshot:  # timing only: nothing to hand over per layer
-            return
         for row, slots in self.rows:
             layer_kv = tap.kv_cache[layer]  # [2, blocks, block_size, heads, dim]
             kv, ready = self._to_host(layer_kv.view(2, -1, *layer_kv.shape[3:]).index_select(1, slots))
