@@ -135,6 +135,7 @@ def main() -> None:
     ap.add_argument("--skip-acceptance", action="store_true")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: like one engine process here)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--rounds", type=int, default=0, help="timed rounds per batch (0: 12 at batch 1, 6 at 4, else 5)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log the policy's cost table per batch")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
@@ -155,7 +156,7 @@ def main() -> None:
     print(f"{'batch':>5} {'no-spec':>9} {f'K={args.k_fixed}':>9} {'adaptive':>9} {'fixed/base':>14} "
           f"{'adaptive/base':>14} {'acc len':>7} {'per pos':>10}  chosen k")
     for batch in (int(b) for b in args.batches.split(",")):
-        rounds = {1: 12, 4: 6}.get(batch, 3 if batch <= 16 else 2)
+        rounds = args.rounds or {1: 12, 4: 6}.get(batch, 5)
         contenders = [Contender("base", make_llm(model, None, 1, batch, args.device)),
                       Contender("fixed", make_llm(model, "mtp", args.k_fixed, batch, args.device)),
                       Contender("adaptive", make_llm(model, "mtp", args.k_max, batch, args.device, "adaptive"))]

@@ -425,7 +425,8 @@ def write_markdown(out: Path, meta: dict) -> None:
         lines += ["## Drill: kill -9 one decode, then one prefill, under load", "",
                   f"Streaming completions, Poisson at {d['rate']} req/s, prompts {d['input_len'] // 2}-"
                   f"{d['input_len'] * 3 // 2} tokens, {d['output_len']} output tokens, greedy. Client limits: "
-                  f"{d['hang_s']:.0f} s without a byte = **hung**; {d['timeout_s']:.0f} s per request = timed out.", "",
+                  f"{d['hang_s']:.0f} s without a byte = **hung**; {d['timeout_s']:.0f} s per request = timed out."
+                  + (f" KV transfer: {d['kv_transfer']}." if d.get("kv_transfer") else ""), "",
                   f"**Result: {s['total'].get('completed', 0)} completed, {s['total'].get('failed_clear', 0)} failed "
                   f"with a clear error, {s['total'].get('failed_unclear', 0)} failed unclearly, {hung} hung, "
                   f"{s['total'].get('timed_out', 0)} timed out; {leaked:.0f} leaked KV blocks; "
@@ -553,6 +554,10 @@ def main() -> None:
 
     if not args.skip_drill:
         result = asyncio.run(run_cluster(drill))
+        mode = os.environ.get("PDSERVE_KV_TRANSFER_MODE", "layerwise")  # what the engines inherit (server/cli.py)
+        min_tokens = os.environ.get("PDSERVE_KV_LAYERWISE_MIN_TOKENS", "512")
+        result["kv_transfer"] = (f"`--kv-transfer-mode {mode}`"
+                                 + (f", `--kv-layerwise-min-tokens {min_tokens}`" if mode == "layerwise" else ""))
         (out / "fault_drill.json").write_text(json.dumps(result, indent=1))
         write_markdown(out, meta)
         logger.info("drill: %s; leaked blocks %s", result["summary"]["total"], result["leaked_blocks"])
