@@ -78,6 +78,23 @@ def test_unseen_batch_size_borrows_its_neighbours_costs():
     assert [batch_bucket(b) for b in (1, 4, 5, 6, 7, 12, 13, 33, 48)] == [1, 4, 4, 6, 6, 12, 12, 32, 48]
 
 
+def test_a_k_that_clearly_loses_is_not_measured_again_at_every_batch_size():
+    """Measuring k at a big CPU batch costs steps at 2-4x a plain one: once bucket 16 showed that
+    drafting loses there, bucket 12 (settled, never measured) does not explore each k for itself;
+    it still does, rarely, in case the acceptance changed while nobody drafted."""
+    policy = SpecPolicy(2, explore_every=50, first_reexplore=50)
+    feed(policy, 16, [5.0, 10.0, 14.0], [0.5, 0.5], 100)  # rates vs k=0: 1.5/2 and 1.75/2.8
+    assert policy.best_k(16) == 0
+    rare = policy.implausible_every * 50
+    chosen = feed(policy, 12, [5.0, 10.0, 14.0], [0.5, 0.5], rare + 100)
+    assert set(chosen[:rare]) == {0}, policy.summary()
+    assert set(chosen[rare:]) > {0}  # ... and then it does
+    # Without pruning the same bucket measures every k in its warm-up.
+    unpruned = SpecPolicy(2, prune=0.0)
+    feed(unpruned, 16, [5.0, 10.0, 14.0], [0.5, 0.5], 100)
+    assert set(feed(unpruned, 12, [5.0, 10.0, 14.0], [0.5, 0.5], 60)) == {0, 1, 2}
+
+
 # ----------------------------------------------------------------- min_tokens inside a verify window
 
 

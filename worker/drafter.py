@@ -100,8 +100,11 @@ class MTPDrafter:
         if (n_valid[rows] == 1).all() and (pending[slots] < self.stash_positions).all():
             # The steady k=0 step: one position per row, stashed with a single indexed copy.
             dev = self.device
-            self.stash[torch.from_numpy(slots).to(dev), torch.from_numpy(pending[slots]).to(dev)] = \
-                hidden[torch.from_numpy(qsl[rows]).to(dev)]
+            flat = torch.from_numpy(slots.astype(np.int64) * self.stash_positions + pending[slots]).to(dev)
+            # Every row of the step, one token each (rows <= batch <= tokens): the hidden states as they are.
+            every = len(rows) == hidden.shape[0]
+            src = hidden if every else hidden.index_select(0, torch.from_numpy(qsl[rows]).to(dev))
+            self.stash.view(-1, hidden.shape[1]).index_copy_(0, flat, src)
             pending[slots] += 1
             return overflow
         for row in rows.tolist():

@@ -13,7 +13,9 @@ on a CPU a verify step's cost grows with its rows, so the best k depends on the 
 Every k of a bucket is first held for a few steps to measure it (warm-up), and the bucket
 re-measures its least recently timed k -- soon at first, then every `explore_every` steps --
 so a changed machine load or workload is noticed. Acceptance is only observed while drafting; a k=0 regime keeps its
-old estimate until the next exploration.
+old estimate until the next exploration. A k that the estimates at hand (a neighbouring bucket's cost ratio, today's
+acceptance) say loses clearly to k=0 is neither warmed up nor re-measured at a bucket, except rarely: at a big batch
+each measured step costs 2-4x a plain one, plus the MTP layer's backfill over the positions skipped meanwhile.
 """
 from __future__ import annotations
 
@@ -111,6 +113,8 @@ class SpecPolicy:
     settle_decisions: int = 16        # decisions at a bucket before it is measured for itself
     margin: float = 1.03              # how much faster drafting must look than not drafting ...
     doubt: float = 0.2                # ... plus this over the number of cost ratios behind it
+    prune: float = 0.8                # a k estimated below this share of k=0's tokens/s is not measured ...
+    implausible_every: int = 8        # ... except after this many re-measurement intervals
     acceptance: list[Ewma] = field(default_factory=list)
     buckets: dict[int, BucketCosts] = field(default_factory=dict)
     overhead: Ewma = field(default_factory=lambda: Ewma(0.0))
@@ -180,13 +184,21 @@ class SpecPolicy:
         def unmeasured_k(k: int) -> bool:
             return costs.ratios[k].count < self.warmup_pairs if k else costs.steps[0].count < self.warmup_samples
 
-        unmeasured = [k for k in range(self.num_spec, -1, -1) if unmeasured_k(k)]
+        # Measuring k costs a few steps at k (a big batch on a CPU pays 2-4x a plain step for each)
+        # plus the MTP layer's backfill over every row's skipped positions: a k that the estimates
+        # we have (a neighbour's cost ratio, today's acceptance) say loses clearly is not measured,
+        # and re-measured only rarely, in case the acceptance changed while nobody drafted.
+        plausible = [k for k in range(self.num_spec + 1) if self._may_win(k, estimates)]
+        unmeasured = [k for k in range(self.num_spec, -1, -1) if unmeasured_k(k) and k in plausible]
         # A bucket passed through briefly (a batch draining) decides from its neighbours' timings;
         # one that keeps coming back, or one nothing is known about, gets measured.
         settled = costs.decisions > self.settle_decisions or None in estimates
-        stale = min(range(self.num_spec + 1), key=lambda k: costs.last_measured[k])
         # Re-measure early and often while the estimates rest on few samples, then every explore_every.
         interval = min(self.explore_every, self.first_reexplore << costs.explorations)
+        stale = min(plausible, key=lambda k: costs.last_measured[k])
+        stalest = min(range(self.num_spec + 1), key=lambda k: costs.last_measured[k])
+        if costs.decisions - costs.last_measured[stalest] > self.implausible_every * interval:
+            stale = stalest
         if (unmeasured and settled) or costs.decisions - costs.last_measured[stale] > interval:
             k = unmeasured[0] if unmeasured and settled else stale
             costs.explorations += 1
@@ -196,6 +208,13 @@ class SpecPolicy:
             self._exploration = Exploration(bucket, k, plan)
             return k
         return self.best_k(bucket)
+
+    def _may_win(self, k: int, estimates: list[float | None]) -> bool:
+        """Whether drafting k could beat not drafting by the estimates we have (True when unknown)."""
+        if k == 0 or estimates[0] is None or estimates[k] is None:
+            return True
+        overhead = self.overhead.value
+        return self.expected_tokens(k) / (estimates[k] + overhead) >= self.prune / (estimates[0] + overhead)
 
     def cost_estimates(self, bucket: int) -> list[float | None]:
         """Seconds per step for each k at `bucket`: k=0 as measured (or the nearest bucket's);
