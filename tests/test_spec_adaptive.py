@@ -95,6 +95,29 @@ def test_a_k_that_clearly_loses_is_not_measured_again_at_every_batch_size():
     assert set(feed(unpruned, 12, [5.0, 10.0, 14.0], [0.5, 0.5], 60)) == {0, 1, 2}
 
 
+def test_re_measuring_backs_off_while_it_keeps_confirming_the_decision():
+    """Near break-even (k=1, k=2 plausible but slower than k=0) each re-measurement confirms k=0 and
+    costs a backfill transition: the interval doubles up to 8x explore_every instead of staying at it."""
+    policy = SpecPolicy(2)
+    chosen = feed(policy, 16, [5.0, 9.5, 13.0], [0.8, 0.8], 7000)  # rates vs k=0: 0.95, 0.94
+    assert policy.best_k(16) == 0 and policy.buckets[16].confirmed >= 3
+    starts = [i for i in range(1000, 7000) if chosen[i] and not chosen[i - 1]]
+    assert len(starts) <= 5, starts  # every 500 decisions would be 12
+    assert all(b - a > policy.explore_every for a, b in zip(starts, starts[1:])), starts
+
+
+def test_a_due_re_measurement_waits_for_little_backfill():
+    """Re-measuring k>0 after a long k=0 stretch first runs the MTP layer over every skipped position
+    of every row; a due re-measurement waits until few are pending, up to 4 intervals."""
+    policy = SpecPolicy(2, explore_every=50, first_reexplore=50)
+    feed(policy, 16, [5.0, 9.5, 13.0], [0.8, 0.8], 300)  # warmed up; k=0 is best, k>0 still plausible
+    costs = policy.buckets[16]
+    interval = min(policy.explore_every << min(costs.confirmed, 3), policy.first_reexplore << costs.explorations)
+    waited = [policy.choose(16, pending=16 * 100) for _ in range(3 * interval)]
+    assert set(waited) == {0}  # due after one interval, but 100 positions per row are pending
+    assert 0 < policy.choose(16, pending=16 * 2)  # few pending: it measures now
+
+
 # ----------------------------------------------------------------- min_tokens inside a verify window
 
 
@@ -135,7 +158,7 @@ def drafts_by_position(model: str, prompts, schedule=None, stash_positions: int 
     runner.drafter.stash_positions = stash_positions
     if schedule is not None:
         step = iter(range(10**6))
-        runner.spec_policy.choose = lambda b: schedule(next(step))
+        runner.spec_policy.choose = lambda b, pending=0: schedule(next(step))
     seen: dict[tuple[str, int], tuple[int, ...]] = {}
     original = MTPDrafter._draft
 

@@ -296,7 +296,8 @@ class ModelRunner:
         if len(verified):
             self.spec_policy.record_acceptance(batch.num_drafts[verified].tolist(),
                                                [len(accepted[r]) - 1 for r in verified.tolist()])
-        return self.spec_policy.choose(int(batch.samples.sum()))
+        pending = int(self.states.mtp_pending[batch.slots].sum()) if isinstance(self.drafter, MTPDrafter) else 0
+        return self.spec_policy.choose(int(batch.samples.sum()), pending)
 
     def _time_step(self, batch: InputBatch, k: int, start: float) -> None:
         """Feed the cost model: steady-state decode steps only (every row verified k drafts and

@@ -80,6 +80,7 @@ class BucketCosts:
     last_measured: list[int]          # decision counter when each k was last explored
     decisions: int = 0
     explorations: int = 0
+    confirmed: int = 0                # re-measurements in a row that left the decision as it was
 
     ratios: list[RecentMedian] = field(default_factory=list)  # per k: C(k) / C(0) from explorations
 
@@ -95,6 +96,7 @@ class Exploration:
     bucket: int
     k: int
     plan: list[int]
+    before: int | None = None         # a re-measurement: the bucket's decision when it started
     timed_k: list[float] = field(default_factory=list)
     timed_0: list[float] = field(default_factory=list)
 
@@ -113,6 +115,7 @@ class SpecPolicy:
     settle_decisions: int = 16        # decisions at a bucket before it is measured for itself
     margin: float = 1.03              # how much faster drafting must look than not drafting ...
     doubt: float = 0.2                # ... plus this over the number of cost ratios behind it
+    backfill_per_row: int = 8        # re-measure when the skipped MTP positions are at most this per row
     prune: float = 0.8                # a k estimated below this share of k=0's tokens/s is not measured ...
     implausible_every: int = 8        # ... except after this many re-measurement intervals
     acceptance: list[Ewma] = field(default_factory=list)
@@ -162,12 +165,17 @@ class SpecPolicy:
             total += run
         return total
 
-    def choose(self, batch_size: int) -> int:
-        k = self.num_spec if self.mode is SpecPolicyMode.FIXED or batch_size == 0 else self._adaptive(batch_size)
+    def choose(self, batch_size: int, pending: int = 0) -> int:
+        """k for the next step of `batch_size` sampling rows; `pending`: the positions whose MTP
+        layer those rows skipped so far (the backfill the first drafting step would pay)."""
+        if self.mode is SpecPolicyMode.FIXED or batch_size == 0:
+            k = self.num_spec
+        else:
+            k = self._adaptive(batch_size, pending)
         self.chosen_k_counts[k] += 1
         return k
 
-    def _adaptive(self, batch_size: int) -> int:
+    def _adaptive(self, batch_size: int, pending: int = 0) -> int:
         bucket = batch_bucket(batch_size)
         costs = self._bucket(batch_size)
         costs.decisions += 1
@@ -178,6 +186,8 @@ class SpecPolicy:
             ratio = statistics.median(e.timed_k) / statistics.median(e.timed_0)
             explored = self.buckets[e.bucket]
             explored.ratios[e.k].update(explored.decisions, ratio)
+            if e.before is not None:
+                explored.confirmed = explored.confirmed + 1 if self.best_k(e.bucket) == e.before else 0
         self._exploration = None
         estimates = self.cost_estimates(bucket)
 
@@ -193,19 +203,27 @@ class SpecPolicy:
         # A bucket passed through briefly (a batch draining) decides from its neighbours' timings;
         # one that keeps coming back, or one nothing is known about, gets measured.
         settled = costs.decisions > self.settle_decisions or None in estimates
-        # Re-measure early and often while the estimates rest on few samples, then every explore_every.
-        interval = min(self.explore_every, self.first_reexplore << costs.explorations)
+        # Re-measure early and often while the estimates rest on few samples, then every explore_every,
+        # doubling (up to 8x) while re-measurements keep confirming the decision: at a batch where
+        # drafting is near break-even each one costs a backfill transition and changes nothing.
+        every = self.explore_every << min(costs.confirmed, 3)
+        interval = min(every, self.first_reexplore << costs.explorations)
         stale = min(plausible, key=lambda k: costs.last_measured[k])
         stalest = min(range(self.num_spec + 1), key=lambda k: costs.last_measured[k])
         if costs.decisions - costs.last_measured[stalest] > self.implausible_every * interval:
             stale = stalest
-        if (unmeasured and settled) or costs.decisions - costs.last_measured[stale] > interval:
+        # A due re-measurement waits for a moment with little backfill to pay (new rows, a flush),
+        # up to 4 intervals.
+        overdue = costs.decisions - costs.last_measured[stale]
+        due = overdue > interval and (pending <= self.backfill_per_row * batch_size or overdue > 4 * interval)
+        if (unmeasured and settled) or due:
             k = unmeasured[0] if unmeasured and settled else stale
             costs.explorations += 1
             # Hold k (its first step is a transition, not timed), then k=0 right after, for the ratio.
             plan = [k] * self.hold_steps + ([0] * (self.hold_steps + 1) if k else [])
             costs.last_measured[k] = costs.last_measured[0] = costs.decisions
-            self._exploration = Exploration(bucket, k, plan)
+            before = None if unmeasured and settled else self.best_k(bucket)
+            self._exploration = Exploration(bucket, k, plan, before)
             return k
         return self.best_k(bucket)
 
