@@ -273,8 +273,9 @@ def test_prefill_killed_holding_requests_after_t0_every_stream_completes_exactly
                     out[t.prefill] += 1
             return out
 
-        # Every stream has its t0; those whose D has not started are mostly still waiting for D memory.
-        await wait_for(lambda: min(progress) >= 1 and sum(holding().values()) >= 4, 30, "prefills holding KV after t0")
+        # Streams with their t0 whose D has not started are waiting for D memory, their KV held on P.
+        # (Not "once every stream has its t0": by then, on a loaded box, D may have taken most of them.)
+        await wait_for(lambda: sum(holding().values()) >= 3, 30, "prefills holding KV after t0")
         counts = holding()
         killed["name"] = max(counts, key=counts.get)
         killed["held"] = counts[killed["name"]]
