@@ -16,6 +16,8 @@ so a changed machine load or workload is noticed. Acceptance is only observed wh
 old estimate until the next exploration. A k that the estimates at hand (a neighbouring bucket's cost ratio, today's
 acceptance) say loses clearly to k=0 is neither warmed up nor re-measured at a bucket, except rarely: at a big batch
 each measured step costs 2-4x a plain one, plus the MTP layer's backfill over the positions skipped meanwhile.
+For the same reason re-measurements back off while they keep confirming the decision, and a due one waits for a
+moment with few skipped positions (new rows, a stash flush).
 """
 from __future__ import annotations
 
@@ -115,7 +117,7 @@ class SpecPolicy:
     settle_decisions: int = 16        # decisions at a bucket before it is measured for itself
     margin: float = 1.03              # how much faster drafting must look than not drafting ...
     doubt: float = 0.2                # ... plus this over the number of cost ratios behind it
-    backfill_per_row: int = 8        # re-measure when the skipped MTP positions are at most this per row
+    backfill_per_row: int = 8         # re-measure when the skipped MTP positions are at most this per row
     prune: float = 0.8                # a k estimated below this share of k=0's tokens/s is not measured ...
     implausible_every: int = 8        # ... except after this many re-measurement intervals
     acceptance: list[Ewma] = field(default_factory=list)
