@@ -134,11 +134,12 @@ class GrammarStates:
     def __init__(self, max_num_seqs: int, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self.matchers: list[xgr.GrammarMatcher | None] = [None] * max_num_seqs
+        self.num_active = 0  # slots with a matcher: 0 lets every per-step check skip the batch loop
         self._bitmask = xgr.allocate_token_bitmask(1, compiler.vocab_size)
 
     def admit(self, slot: int, spec: GrammarSpec | None, output_token_ids: Sequence[int]) -> None:
         """I2: every admission sets the slot's matcher, so a new occupant never inherits one."""
-        self.matchers[slot] = None
+        self.release(slot)
         if spec is None:
             return
         matcher = xgr.GrammarMatcher(self.compiler.compile(spec))
@@ -149,12 +150,15 @@ class GrammarStates:
                              "the rest of the request is unconstrained", slot, i, token)
                 return
         self.matchers[slot] = matcher
+        self.num_active += 1
 
     def release(self, slot: int) -> None:
-        self.matchers[slot] = None
+        if self.matchers[slot] is not None:
+            self.matchers[slot] = None
+            self.num_active -= 1
 
     def any_active(self, slots: Sequence[int]) -> bool:
-        return any(self.matchers[s] is not None for s in slots)
+        return self.num_active > 0 and any(self.matchers[s] is not None for s in slots)
 
     def position_masks(self, slots: Sequence[int], drafts: Sequence[Sequence[int]]) -> torch.Tensor:
         """[sum(1 + len(d)), V] bool: the tokens allowed at every verified position, rows in the
