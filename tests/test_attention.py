@@ -80,10 +80,16 @@ def test_cpp_kernel_bf16():
 
 def test_long_rows_leave_the_paged_kernel():
     rng = np.random.default_rng(2)
-    _, views, layout, *_ = random_step(rng, [(0, PAGED_MAX_QUERY + 1), (10, 1)], 4, 2, 64, torch.float32)
+    n = PAGED_MAX_QUERY + 1
+    _, views, layout, *_ = random_step(rng, [(0, n), (10, 1), (40, n)], 4, 2, 64, torch.float32)
     ctx = AttentionContext(views, layout, BLOCK, torch.device("cpu"), None, backend="cpp")
-    assert [(r.start, r.end) for r in ctx.prefill_rows] == [(0, PAGED_MAX_QUERY + 1)]
-    assert ctx.prefill_rows[0].mask is None  # nothing cached before it: plain causal over its own K/V
+    assert [(r.start, r.end) for r in ctx.prefill_rows] == [(0, n), (n + 1, 2 * n + 1)]
+    fresh, chunk = ctx.prefill_rows
+    assert fresh.mask is None and fresh.kv_slots is None  # nothing cached before it: causal over its own K/V
+    # After a cached prefix, still no [q, kv] mask on CPU: the prefix's 40 slots, merged by log-sum-exp.
+    assert chunk.mask is None and chunk.kv_slots.shape == (40,)
+    windowed = AttentionContext(views, layout, BLOCK, torch.device("cpu"), 24, backend="cpp").prefill_rows[1]
+    assert windowed.mask is not None and windowed.kv_slots.shape == (40 + n,)  # a window past the context: masked
 
 
 def _run_triton_case(out_path: str) -> None:

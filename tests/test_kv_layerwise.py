@@ -104,7 +104,7 @@ def test_prompt_cached_but_its_last_token_still_gets_its_mtp_layer_when_p_drafts
     prompt = random_prompts(1, 4 * 16 + 1, 4 * 16 + 1, VOCAB, 154)[0]  # 4 full blocks + 1 token
 
     def no_drafts_on_p(prefill):
-        prefill.core.runner.spec_policy.choose = lambda batch_size, pending=0: 0
+        prefill.core.runner.spec_policy.choose = lambda batch_size, pending=0, sampled=False: 0
 
     results, p_counters, d_counters = run_pd(tmp_path, str(mtp_checkpoints["qwen2"]), [[prompt], [prompt]], mode,
                                              decode_kwargs={"kv_deadline_s": 5.0}, prefill_hook=no_drafts_on_p)

@@ -20,16 +20,18 @@ VOCAB = 384
 
 
 def feed(policy: SpecPolicy, batch: int, costs_ms: list[float], accept: list[float], steps: int,
-         load=lambda step: 1.0) -> list[int]:
-    """Drive the policy with synthetic step costs (times a machine load) and acceptance; returns its decisions."""
+         load=lambda step: 1.0, sampled: bool = False, rows: int = 100) -> list[int]:
+    """Drive the policy with synthetic step costs (times a machine load) and acceptance, verifying
+    `rows` rows' drafts a step; returns its decisions."""
     chosen, k_prev = [], None
     for step in range(steps):
-        k = policy.choose(batch)
+        k = policy.choose(batch, sampled=sampled)
         if k_prev == k:
-            policy.record_step(batch, k, costs_ms[k] * load(step) / 1e3)
-        if k:  # 100 rows; row j keeps draft i while j/100 < a_1 * ... * a_i
-            accepted = [sum(1 for i in range(k) if j / 100 < prod(accept[: i + 1])) for j in range(100)]
-            policy.record_acceptance([k] * 100, accepted)
+            policy.record_step(batch, k, costs_ms[k] * load(step) / 1e3, sampled)
+        if k:  # row j keeps draft i while u_j < a_1 * ... * a_i, u_j evenly spread in [0, 1)
+            u = [j / rows if rows == 100 else (step * rows + j) * 0.618034 % 1 for j in range(rows)]
+            accepted = [sum(1 for i in range(k) if u_j < prod(accept[: i + 1])) for u_j in u]
+            policy.record_acceptance([k] * rows, accepted)
         chosen.append(k)
         k_prev = k
     return chosen
@@ -100,10 +102,49 @@ def test_re_measuring_backs_off_while_it_keeps_confirming_the_decision():
     costs a backfill transition: the interval doubles up to 8x explore_every instead of staying at it."""
     policy = SpecPolicy(2)
     chosen = feed(policy, 16, [5.0, 9.5, 13.0], [0.8, 0.8], 7000)  # rates vs k=0: 0.95, 0.94
-    assert policy.best_k(16) == 0 and policy.buckets[16].confirmed >= 3
+    assert policy.best_k(16) == 0 and policy.buckets[16, False].confirmed >= 3
     starts = [i for i in range(1000, 7000) if chosen[i] and not chosen[i - 1]]
     assert len(starts) <= 5, starts  # every 500 decisions would be 12
     assert all(b - a > policy.explore_every for a, b in zip(starts, starts[1:])), starts
+
+
+def test_greedy_and_sampling_steps_keep_their_own_costs():
+    """At batch 1 a sampling verify step costs more than a greedy one (softmax, the drafter's own
+    distribution): ratios measured on greedy steps must not decide for sampling ones, nor back."""
+    policy = SpecPolicy(2)
+    greedy, sampling = [5.0, 6.0, 6.5], [5.0, 9.0, 12.0]  # rates vs k=0 at 0.8 acceptance: 1.3x / 0.9x
+    assert feed(policy, 1, greedy, [0.8, 0.8], 200)[-50:].count(2) >= 45, policy.summary()
+    chosen = feed(policy, 1, sampling, [0.5, 0.5], 300, sampled=True)
+    assert chosen[-100:].count(0) >= 85, policy.summary()
+    assert feed(policy, 1, greedy, [0.8, 0.8], 50).count(2) >= 45, policy.summary()  # greedy still drafts
+
+
+def test_a_k_in_use_that_costs_more_than_its_estimate_is_re_measured_at_once():
+    """Drafting's cost doubles (the workload changed: longer contexts, another kind of request):
+    the recent steps of the k in use disagree with its estimate, so it is re-measured within a
+    few dozen steps (k=2, then k=1 whose estimate turns out wrong too) instead of at the next
+    scheduled re-measurement (here 2000 decisions away)."""
+    policy = SpecPolicy(2, explore_every=2000, first_reexplore=2000)
+    feed(policy, 4, [5.0, 6.0, 6.5], [0.8, 0.8], 100)
+    assert policy.best_k(4) == 2
+    chosen = feed(policy, 4, [5.0, 12.0, 13.0], [0.8, 0.8], 200)
+    assert chosen[-50:].count(0) >= 45, (chosen, policy.summary())
+    # Without the surprise check it keeps drafting until the scheduled re-measurement.
+    blind = SpecPolicy(2, explore_every=2000, first_reexplore=2000, surprise=float("inf"))
+    feed(blind, 4, [5.0, 6.0, 6.5], [0.8, 0.8], 100)
+    assert feed(blind, 4, [5.0, 12.0, 13.0], [0.8, 0.8], 200)[-50:].count(2) >= 45
+
+
+def test_a_k0_decision_on_a_few_unlucky_early_drafts_is_revisited_soon():
+    """At batch 1 each measurement verifies a handful of drafts: if the first requests' drafts were
+    mostly rejected, k=0 looks best, and acceptance is only observed while drafting. Until position 1
+    has `thin_acceptance` verified drafts behind it, re-measuring does not back off."""
+    def run(thin: int) -> list[int]:
+        policy = SpecPolicy(2, thin_acceptance=thin)
+        feed(policy, 1, [5.0, 7.0, 8.5], [0.2, 0.2], 40, rows=1)  # an unlucky start
+        return feed(policy, 1, [5.0, 7.0, 8.5], [0.85, 0.85], 500, rows=1)
+    assert run(64)[-100:].count(2) >= 85
+    assert run(0)[-100:].count(0) >= 85  # the backed-off interval: still k=0 after 500 steps
 
 
 def test_a_due_re_measurement_waits_for_little_backfill():
@@ -111,7 +152,7 @@ def test_a_due_re_measurement_waits_for_little_backfill():
     of every row; a due re-measurement waits until few are pending, up to 4 intervals."""
     policy = SpecPolicy(2, explore_every=50, first_reexplore=50)
     feed(policy, 16, [5.0, 9.5, 13.0], [0.8, 0.8], 300)  # warmed up; k=0 is best, k>0 still plausible
-    costs = policy.buckets[16]
+    costs = policy.buckets[16, False]
     interval = min(policy.explore_every << min(costs.confirmed, 3), policy.first_reexplore << costs.explorations)
     waited = [policy.choose(16, pending=16 * 100) for _ in range(3 * interval)]
     assert set(waited) == {0}  # due after one interval, but 100 positions per row are pending
@@ -158,7 +199,7 @@ def drafts_by_position(model: str, prompts, schedule=None, stash_positions: int 
     runner.drafter.stash_positions = stash_positions
     if schedule is not None:
         step = iter(range(10**6))
-        runner.spec_policy.choose = lambda b, pending=0: schedule(next(step))
+        runner.spec_policy.choose = lambda b, pending=0, sampled=False: schedule(next(step))
     seen: dict[tuple[str, int], tuple[int, ...]] = {}
     original = MTPDrafter._draft
 

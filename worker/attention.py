@@ -54,8 +54,10 @@ class PrefillRow:
 
     start: int
     end: int
-    kv_slots: torch.Tensor | None   # the row's whole context in the cache; None: attend its own K/V
-    mask: torch.Tensor | None       # [q, kv] bool, None: plain causal
+    kv_slots: torch.Tensor | None   # cache slots of what the row attends beyond its own K/V (see `mask`)
+    mask: torch.Tensor | None       # [q, kv] bool over kv_slots = the whole context; None: no mask (below)
+    # With no mask, kv_slots (when set) is the cached prefix [0, num_computed): the row attends it
+    # without a mask and its own K/V causally, and the two are merged by their log-sum-exps.
 
 
 class AttentionContext:
@@ -93,10 +95,11 @@ class AttentionContext:
         lay, window = self.layout, self.window
         start, end = int(lay.query_start_loc[r]), int(lay.query_start_loc[r + 1])
         computed, seq_len = int(lay.num_computed[r]), int(lay.seq_lens[r])
-        if computed == 0 and (window is None or seq_len <= window):
-            return PrefillRow(start, end, None, None)
-        j = np.arange(seq_len)
+        unmasked = (window is None or seq_len <= window) and (computed == 0 or device.type == "cpu")
+        j = np.arange(computed if unmasked else seq_len)
         slots = lay.block_tables[r, j // self.block_size].astype(np.int64) * self.block_size + j % self.block_size
+        if unmasked:
+            return PrefillRow(start, end, torch.from_numpy(slots).to(device) if computed else None, None)
         keys = torch.arange(seq_len, device=device)
         queries = torch.arange(computed, seq_len, device=device)[:, None]
         mask = keys[None, :] <= queries
@@ -138,15 +141,31 @@ class AttentionContext:
     @staticmethod
     def _prefill(row: PrefillRow, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> torch.Tensor:
-        queries = q[row.start : row.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        if row.kv_slots is None:
-            keys, values = k[row.start : row.end], v[row.start : row.end]
-        else:
+        def heads(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [1, H, T, D]
+            return x.transpose(0, 1).unsqueeze(0)
+
+        queries, gqa = heads(q[row.start : row.end]), q.shape[1] != k.shape[1]
+        own_k, own_v = heads(k[row.start : row.end]), heads(v[row.start : row.end])
+        if row.mask is not None:  # a sliding window (or a prefix off CPU): SDPA over the whole context
             keys, values = k_cache.index_select(0, row.kv_slots), v_cache.index_select(0, row.kv_slots)
-        out = F.scaled_dot_product_attention(queries, keys.transpose(0, 1).unsqueeze(0),
-                                             values.transpose(0, 1).unsqueeze(0), attn_mask=row.mask,
-                                             is_causal=row.mask is None, enable_gqa=q.shape[1] != k.shape[1])
-        return out[0].transpose(0, 1)
+            out = F.scaled_dot_product_attention(queries, heads(keys), heads(values), attn_mask=row.mask,
+                                                 enable_gqa=gqa)
+            return out[0].transpose(0, 1)
+        if row.kv_slots is None:
+            out = F.scaled_dot_product_attention(queries, own_k, own_v, is_causal=True, enable_gqa=gqa)
+            return out[0].transpose(0, 1)
+        # A chunk after a cached prefix (chunked prefill, a prefix-cache hit): no [q, kv] mask to
+        # build and no masked-out half to compute -- the prefix without a mask, the chunk's own
+        # tokens causally (SDPA skips the blocks above the diagonal), merged exactly by log-sum-exp.
+        # (The CPU flash kernel takes GQA shapes as they are.)
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out_own, lse_own = flash(queries, own_k, own_v, is_causal=True)[:2]
+        out_pre, lse_pre = flash(queries, heads(k_cache.index_select(0, row.kv_slots)),
+                                 heads(v_cache.index_select(0, row.kv_slots)))[:2]
+        top = torch.maximum(lse_own, lse_pre)
+        w_own, w_pre = torch.exp(lse_own - top).unsqueeze(-1), torch.exp(lse_pre - top).unsqueeze(-1)
+        out = (out_own.float() * w_own + out_pre.float() * w_pre) / (w_own + w_pre)
+        return out[0].transpose(0, 1).to(q.dtype)
 
 
 class ReferenceLayout:

@@ -92,6 +92,7 @@ class ModelRunner:
         mode = SpecPolicyMode(config.spec_policy) if config.speculative_method == "mtp" else SpecPolicyMode.FIXED
         self.spec_policy = SpecPolicy(self.num_spec, mode)
         self._last_step_end: float | None = None
+        self._sampled_step = False  # whether the last step had a sampling (non-greedy) row
         self.eos_token_ids = model_cfg.eos_token_ids
         self.check_invariants = invariants.enabled()
         self.kv_tap: KVTap | None = None  # set by a prefill engine in PD (layer-wise KV push)
@@ -297,7 +298,9 @@ class ModelRunner:
             self.spec_policy.record_acceptance(batch.num_drafts[verified].tolist(),
                                                [len(accepted[r]) - 1 for r in verified.tolist()])
         pending = int(self.states.mtp_pending[batch.slots].sum()) if isinstance(self.drafter, MTPDrafter) else 0
-        return self.spec_policy.choose(int(batch.samples.sum()), pending)
+        params = self.states.sampling_params
+        self._sampled_step = any(params[s].temperature >= GREEDY_TEMPERATURE_EPS for s in batch.slots[batch.samples])
+        return self.spec_policy.choose(int(batch.samples.sum()), pending, self._sampled_step)
 
     def _time_step(self, batch: InputBatch, k: int, start: float) -> None:
         """Feed the cost model: steady-state decode steps only (every row verified k drafts and
@@ -309,7 +312,7 @@ class ModelRunner:
         steady = (batch.samples.all() and not batch.is_prefilling.any() and (batch.num_drafts == k).all()
                   and not self.drafter.flushed)
         if steady:
-            self.spec_policy.record_step(len(batch.slots), k, end - start)
+            self.spec_policy.record_step(len(batch.slots), k, end - start, self._sampled_step)
 
     def _logprobs(self, logits: torch.Tensor, k: np.ndarray, slots: np.ndarray, rows: np.ndarray,
                   kept: list[list[int]], batch_size: int) -> list[list[TokenLogprobs]] | None:

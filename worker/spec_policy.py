@@ -5,14 +5,16 @@ where ``a_i`` is the acceptance rate of draft ``i`` given drafts ``1..i-1`` were
 (a running mean of verified drafts, then an EWMA). A step's cost ``C(b, k)`` -- verifying ``b * (1 + k)`` tokens
 plus drafting ``k`` -- is measured online from the runner's own step timings (the median of
 the last few), per batch-size bucket, plus the time the engine spends outside the runner
-between steps. The policy picks the k that maximises ``E(k) / C(b, k)`` (tokens per second;
+between steps. Greedy and sampling steps keep separate tables: sampling (softmax, the drafter's own
+distribution, keyed noise) costs a verify step more than argmax does. The policy picks the k that maximises ``E(k) / C(b, k)`` (tokens per second;
 ``b`` cancels); a bucket seen only in passing borrows its neighbours' timings. Ideas from vLLM's
 disable-by-batch-size and from goodput-based SmartSpec, but measured rather than configured:
 on a CPU a verify step's cost grows with its rows, so the best k depends on the batch.
 
 Every k of a bucket is first held for a few steps to measure it (warm-up), and the bucket
 re-measures its least recently timed k -- soon at first, then every `explore_every` steps --
-so a changed machine load or workload is noticed. Acceptance is only observed while drafting; a k=0 regime keeps its
+so a changed machine load or workload is noticed; so is a k in use whose recent steps cost clearly
+more or less than its estimate says (a surprise re-measures it at once). Acceptance is only observed while drafting; a k=0 regime keeps its
 old estimate until the next exploration. A k that the estimates at hand (a neighbouring bucket's cost ratio, today's
 acceptance) say loses clearly to k=0 is neither warmed up nor re-measured at a bucket, except rarely: at a big batch
 each measured step costs 2-4x a plain one, plus the MTP layer's backfill over the positions skipped meanwhile.
@@ -90,12 +92,15 @@ class BucketCosts:
         return self.ratios[k].value if self.ratios[k].count else None
 
 
+BucketKey = tuple[int, bool]  # (batch_bucket, whether the step samples)
+
+
 @dataclass
 class Exploration:
     """k held for a few steps, then k=0 right after: on a machine whose speed drifts (other
     processes come and go) the ratio of the two compares like with like."""
 
-    bucket: int
+    bucket: BucketKey
     k: int
     plan: list[int]
     before: int | None = None         # a re-measurement: the bucket's decision when it started
@@ -120,8 +125,10 @@ class SpecPolicy:
     backfill_per_row: int = 8         # re-measure when the skipped MTP positions are at most this per row
     prune: float = 0.8                # a k estimated below this share of k=0's tokens/s is not measured ...
     implausible_every: int = 8        # ... except after this many re-measurement intervals
+    thin_acceptance: int = 64         # drafts verified at position 1 below which re-measuring does not back off
+    surprise: float = 0.25            # re-measure a k in use whose recent median is this far off its estimate
     acceptance: list[Ewma] = field(default_factory=list)
-    buckets: dict[int, BucketCosts] = field(default_factory=dict)
+    buckets: dict[BucketKey, BucketCosts] = field(default_factory=dict)
     overhead: Ewma = field(default_factory=lambda: Ewma(0.0))
     chosen_k_counts: list[int] = field(default_factory=list)  # decisions per k (exported as a metric)
     _exploration: Exploration | None = None
@@ -146,12 +153,13 @@ class SpecPolicy:
             est.value += alpha * (sum(seen) / n - est.value)
             est.count += n
 
-    def record_step(self, batch_size: int, k: int, seconds: float) -> None:
-        """A steady-state decode step: every row verified k drafts and proposed k for the next."""
-        costs = self._bucket(batch_size)
+    def record_step(self, batch_size: int, k: int, seconds: float, sampled: bool = False) -> None:
+        """A steady-state decode step: every row verified k drafts and proposed k for the next;
+        `sampled`: some row samples (else all are greedy)."""
+        costs = self._bucket(batch_size, sampled)
         costs.steps[k].update(costs.decisions, seconds)
         e = self._exploration
-        if e is not None and e.bucket == batch_bucket(batch_size) and k in (e.k, 0):
+        if e is not None and e.bucket == (batch_bucket(batch_size), sampled) and k in (e.k, 0):
             (e.timed_k if k == e.k else e.timed_0).append(seconds)
 
     def record_overhead(self, seconds: float) -> None:
@@ -167,19 +175,20 @@ class SpecPolicy:
             total += run
         return total
 
-    def choose(self, batch_size: int, pending: int = 0) -> int:
+    def choose(self, batch_size: int, pending: int = 0, sampled: bool = False) -> int:
         """k for the next step of `batch_size` sampling rows; `pending`: the positions whose MTP
-        layer those rows skipped so far (the backfill the first drafting step would pay)."""
+        layer those rows skipped so far (the backfill the first drafting step would pay);
+        `sampled`: some row samples (else all are greedy)."""
         if self.mode is SpecPolicyMode.FIXED or batch_size == 0:
             k = self.num_spec
         else:
-            k = self._adaptive(batch_size, pending)
+            k = self._adaptive(batch_size, pending, sampled)
         self.chosen_k_counts[k] += 1
         return k
 
-    def _adaptive(self, batch_size: int, pending: int = 0) -> int:
-        bucket = batch_bucket(batch_size)
-        costs = self._bucket(batch_size)
+    def _adaptive(self, batch_size: int, pending: int, sampled: bool) -> int:
+        bucket = (batch_bucket(batch_size), sampled)
+        costs = self._bucket(batch_size, sampled)
         costs.decisions += 1
         e = self._exploration
         if e is not None and e.bucket == bucket and e.plan:
@@ -210,6 +219,10 @@ class SpecPolicy:
         # drafting is near break-even each one costs a backfill transition and changes nothing.
         every = self.explore_every << min(costs.confirmed, 3)
         interval = min(every, self.first_reexplore << costs.explorations)
+        if self.acceptance[0].count < self.thin_acceptance:
+            # Acceptance is only observed while drafting: a k=0 decision that rests on a few early
+            # drafts (at batch 1, a handful per measurement) would keep its first guess for hundreds of steps.
+            interval = self.first_reexplore
         stale = min(plausible, key=lambda k: costs.last_measured[k])
         stalest = min(range(self.num_spec + 1), key=lambda k: costs.last_measured[k])
         if costs.decisions - costs.last_measured[stalest] > self.implausible_every * interval:
@@ -218,16 +231,31 @@ class SpecPolicy:
         # up to 4 intervals.
         overdue = costs.decisions - costs.last_measured[stale]
         due = overdue > interval and (pending <= self.backfill_per_row * batch_size or overdue > 4 * interval)
+        best = self.best_k(bucket)
+        if not due and self._surprised(costs, best, estimates):
+            stale, due = best, True
         if (unmeasured and settled) or due:
             k = unmeasured[0] if unmeasured and settled else stale
             costs.explorations += 1
             # Hold k (its first step is a transition, not timed), then k=0 right after, for the ratio.
             plan = [k] * self.hold_steps + ([0] * (self.hold_steps + 1) if k else [])
             costs.last_measured[k] = costs.last_measured[0] = costs.decisions
-            before = None if unmeasured and settled else self.best_k(bucket)
+            before = None if unmeasured and settled else best
             self._exploration = Exploration(bucket, k, plan, before)
             return k
-        return self.best_k(bucket)
+        return best
+
+    def _surprised(self, costs: BucketCosts, k: int, estimates: list[float | None]) -> bool:
+        """Whether the k in use costs clearly more or less than its estimate (k=0's cost times the
+        measured ratio): the workload or the machine changed since the ratio was measured. Judged
+        on a full window of steps since k was last measured, and not sooner than 4 windows after."""
+        since, window = costs.last_measured[k], costs.steps[k].size
+        if not k or estimates[k] is None or costs.decisions - since <= 4 * window:
+            return False
+        recent = [x for stamp, x in costs.steps[k].samples if stamp > since + 2 * self.hold_steps + 1]
+        if len(recent) < window:
+            return False
+        return abs(statistics.median(recent) / estimates[k] - 1) > self.surprise
 
     def _may_win(self, k: int, estimates: list[float | None]) -> bool:
         """Whether drafting k could beat not drafting by the estimates we have (True when unknown)."""
@@ -236,7 +264,7 @@ class SpecPolicy:
         overhead = self.overhead.value
         return self.expected_tokens(k) / (estimates[k] + overhead) >= self.prune / (estimates[0] + overhead)
 
-    def cost_estimates(self, bucket: int) -> list[float | None]:
+    def cost_estimates(self, bucket: BucketKey) -> list[float | None]:
         """Seconds per step for each k at `bucket`: k=0 as measured (or the nearest bucket's);
         k>0 as that times the measured ratio C(k)/C(0) here, else at the nearest bucket that has
         one, else the raw measurement."""
@@ -250,17 +278,21 @@ class SpecPolicy:
                 out.append(self._nearest(bucket, lambda c, k=k: c.steps[k].value if c.steps[k].count else None))
         return out
 
-    def _nearest(self, bucket: int, get) -> float | None:
-        for _, b in sorted((abs(b - bucket), b) for b in self.buckets):
-            value = get(self.buckets[b])
+    def _nearest(self, bucket: BucketKey, get) -> float | None:
+        """`get` of the nearest bucket that has it: the same kind of step first, then the closest batch size."""
+        size, sampled = bucket
+        for key in sorted(self.buckets, key=lambda b: (b[1] != sampled, abs(b[0] - size), b)):
+            value = get(self.buckets[key])
             if value is not None:
                 return value
         return None
 
-    def best_k(self, bucket: int) -> int:
+    def best_k(self, bucket: BucketKey | int) -> int:
         """The k of the highest expected tokens/s. Drafting must beat k=0 by `margin` plus a doubt
         that shrinks with the number of cost ratios behind it (timings are noisy, and in doubt
-        not drafting is the safe choice)."""
+        not drafting is the safe choice). An int `bucket` means greedy steps."""
+        if isinstance(bucket, int):
+            bucket = (bucket, False)
         estimates = self.cost_estimates(bucket)
         if estimates[0] is None:
             return self.num_spec
@@ -270,8 +302,8 @@ class SpecPolicy:
         evidence = self._nearest(bucket, lambda c: c.ratios[best].count or None) or 1
         return best if rates[best] > rates[0] * (self.margin + self.doubt / evidence) else 0
 
-    def _bucket(self, batch_size: int) -> BucketCosts:
-        bucket = batch_bucket(batch_size)
+    def _bucket(self, batch_size: int, sampled: bool = False) -> BucketCosts:
+        bucket = (batch_bucket(batch_size), sampled)
         costs = self.buckets.get(bucket)
         if costs is None:
             n = self.num_spec + 1
@@ -282,9 +314,10 @@ class SpecPolicy:
     def summary(self) -> str:
         acc = " ".join(f"{a.value:.2f}" for a in self.acceptance)
         parts = []
-        for bucket, costs in sorted(self.buckets.items()):
+        for (bucket, sampled), costs in sorted(self.buckets.items()):
             ms = " ".join(f"{c.value * 1e3:.1f}" for c in costs.steps)
             ratios = " ".join(f"{r:.2f}" if (r := costs.ratio(k)) is not None else "-"
                               for k in range(1, self.num_spec + 1))
-            parts.append(f"b{bucket}: [{ms}] ms, C(k)/C(0) [{ratios}] -> k={self.best_k(bucket)}")
+            kind = " sampled" if sampled else ""
+            parts.append(f"b{bucket}{kind}: [{ms}] ms, C(k)/C(0) [{ratios}] -> k={self.best_k((bucket, sampled))}")
         return f"acceptance [{acc}]; " + "; ".join(parts)
