@@ -71,6 +71,12 @@ class RequestUpdate:
     num_cached_tokens: int | None = None                # prompt tokens that were prefix-cache hits
 
 
+# A step that finishes the prefill of a chunk this long takes no new prefill: the newcomer would
+# only delay that prompt's first token by its own compute (the step is compute-bound already) and
+# would not finish any sooner itself -- it needs a later step either way, or shares this one's end.
+LONG_PREFILL_TOKENS = 512
+
+
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  block_manager: BlockManager, connector: KVConnector, num_lookahead_tokens: int = 0) -> None:
@@ -88,6 +94,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
+        self._finishes_long_prefill = False  # this step finishes a prefill of >= LONG_PREFILL_TOKENS
 
     # -- queue management ------------------------------------------------------------------
 
@@ -163,6 +170,7 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
         self._reserve_remote_kv()
+        self._finishes_long_prefill = False
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         self._admit_waiting(out, budget)
         return out
@@ -187,6 +195,7 @@ class Scheduler:
                 break
             out.cached_requests.append(CachedRequestData(request.req_id, request.num_computed_tokens, new_blocks))
             out.num_scheduled_tokens[request.req_id] = num_new
+            self._finishes_long_prefill |= num_new == num_uncomputed >= LONG_PREFILL_TOKENS
             num_drafts = max(0, num_new - num_uncomputed)
             if num_drafts:
                 out.num_draft_tokens[request.req_id] = num_drafts
@@ -210,7 +219,10 @@ class Scheduler:
             lookup = request.num_computed_tokens == 0 and not request.computes_prompt_logprobs
             cached = self.blocks.find_cached_prefix(request) if lookup else []
             num_computed = request.num_computed_tokens + len(cached) * self.blocks.block_size
-            num_new = min(request.num_tokens_to_compute - num_computed, budget)
+            num_uncomputed = request.num_tokens_to_compute - num_computed
+            if self._finishes_long_prefill and num_uncomputed > 1:  # (a PD handoff computes 1 token)
+                continue
+            num_new = min(num_uncomputed, budget)
             if self.blocks.allocate(request, num_new + self.num_lookahead_tokens, cached) is None:
                 blocked = True
                 continue
@@ -226,6 +238,7 @@ class Scheduler:
                 num_computed_tokens=num_computed, block_ids=list(request.block_ids),
                 sampling_params=request.sampling_params, compute_prompt_logprobs=request.computes_prompt_logprobs))
             out.num_scheduled_tokens[request.req_id] = num_new
+            self._finishes_long_prefill |= num_new == num_uncomputed >= LONG_PREFILL_TOKENS
             budget -= num_new
 
     def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:

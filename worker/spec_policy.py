@@ -5,17 +5,20 @@ where ``a_i`` is the acceptance rate of draft ``i`` given drafts ``1..i-1`` were
 (a running mean of verified drafts, then an EWMA). A step's cost ``C(b, k)`` -- verifying ``b * (1 + k)`` tokens
 plus drafting ``k`` -- is measured online from the runner's own step timings (the median of
 the last few), per batch-size bucket, plus the time the engine spends outside the runner
-between steps. Greedy and sampling steps keep separate tables: sampling (softmax, the drafter's own
-distribution, keyed noise) costs a verify step more than argmax does. The policy picks the k that maximises ``E(k) / C(b, k)`` (tokens per second;
+between steps. Greedy and sampling steps keep separate tables: sampling (softmax, the drafter's
+own distribution, keyed noise) makes a verify step cost more than argmax does. The policy picks
+the k that maximises ``E(k) / C(b, k)`` (tokens per second;
 ``b`` cancels); a bucket seen only in passing borrows its neighbours' timings. Ideas from vLLM's
 disable-by-batch-size and from goodput-based SmartSpec, but measured rather than configured:
 on a CPU a verify step's cost grows with its rows, so the best k depends on the batch.
 
 Every k of a bucket is first held for a few steps to measure it (warm-up), and the bucket
 re-measures its least recently timed k -- soon at first, then every `explore_every` steps --
-so a changed machine load or workload is noticed; so is a k in use whose recent steps cost clearly
-more or less than its estimate says (a surprise re-measures it at once). Acceptance is only observed while drafting; a k=0 regime keeps its
-old estimate until the next exploration. A k that the estimates at hand (a neighbouring bucket's cost ratio, today's
+so a changed machine load or workload is noticed; so is a k in use whose recent steps cost
+clearly more or less than its estimate says (that surprise re-measures it at once).
+Acceptance is only observed while drafting; a k=0 regime keeps its
+old estimate until the next exploration (which does not back off while that estimate rests on few drafts).
+A k that the estimates at hand (a neighbouring bucket's cost ratio, today's
 acceptance) say loses clearly to k=0 is neither warmed up nor re-measured at a bucket, except rarely: at a big batch
 each measured step costs 2-4x a plain one, plus the MTP layer's backfill over the positions skipped meanwhile.
 For the same reason re-measurements back off while they keep confirming the decision, and a due one waits for a
