@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from worker import kernels
+from worker import invariants, kernels
 from worker.attention import AttentionContext
 from worker.input_batch import InputBatch, StepLayout
 from worker.kv_tap import StepTap
@@ -52,6 +52,7 @@ class MTPDrafter:
         self.mode = DraftMode.COUPLED
         self.flushed = False  # whether the last propose() ran the layer for rows that did not draft
         self.kv_tap: StepTap | None = None  # this step's tapped prompt rows (set by the runner)
+        self.check_invariants = invariants.enabled()
 
     def propose(self, batch: InputBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,
                 draft_meta: DraftMetadataFn) -> list[list[int]]:
@@ -71,7 +72,7 @@ class MTPDrafter:
         if not in_pass.any():
             return drafts
         pass_rows = np.nonzero(in_pass)[0]
-        mtp_hidden, layout = self._mtp_pass(batch, hidden, n_valid, pass_rows)
+        mtp_hidden, layout = self._mtp_pass(batch, hidden, n_valid, pass_rows, accepted)
         if self.kv_tap is not None:
             self.kv_tap.last_layer_done()
         rows = np.nonzero(drafting)[0]
@@ -117,8 +118,8 @@ class MTPDrafter:
             pending[slot] = have + n
         return overflow
 
-    def _mtp_pass(self, batch: InputBatch, hidden: torch.Tensor, n_valid: np.ndarray,
-                  rows: np.ndarray) -> tuple[torch.Tensor, StepLayout]:
+    def _mtp_pass(self, batch: InputBatch, hidden: torch.Tensor, n_valid: np.ndarray, rows: np.ndarray,
+                  accepted: list[list[int]]) -> tuple[torch.Tensor, StepLayout]:
         """The MTP layer over each row's stashed positions followed by this step's valid ones.
 
         Position i pairs h_i with x_{i+1}, read from all_token_ids after write-back (the next
@@ -141,14 +142,26 @@ class MTPDrafter:
         ctx = AttentionContext(self.kv_views, layout, self.block_size, dev, self.sliding_window)
         if self.kv_tap is not None:
             ctx.tap = self.kv_tap.layer_tap([batch.req_ids[r] for r in rows.tolist()], layout)
-        next_ids = torch.empty(h_in.shape[0], dtype=torch.int32, device=dev)
-        everyone = torch.ones(len(rows), dtype=torch.bool, device=dev)
-        kernels.gather_prefill_tokens(next_ids, st.all_token_ids, torch.from_numpy(slots).to(dev),
-                                      torch.from_numpy(layout.query_start_loc).to(dev),
-                                      torch.from_numpy(start + 1).to(dev), everyone)
+        if not pending.any() and not batch.is_prefilling[rows].any():
+            # A steady decode step: the successor of each kept position is the token kept after it.
+            next_ids = torch.tensor([t for r in rows.tolist() for t in accepted[r]], dtype=torch.int32, device=dev)
+            if self.check_invariants:
+                assert torch.equal(next_ids, self._gather_next_ids(slots, layout, start)), "MTP pass successors"
+        else:
+            next_ids = self._gather_next_ids(slots, layout, start)
         st.mtp_pending[slots] = 0
         out = self.model.mtp_forward(0, h_in, next_ids, ctx.positions, ctx, has_position0=bool((start == 0).any()))
         return out, layout
+
+    def _gather_next_ids(self, slots: np.ndarray, layout: StepLayout, start: np.ndarray) -> torch.Tensor:
+        """x_{i+1} for every position i of the pass, from all_token_ids."""
+        dev = self.device
+        next_ids = torch.empty(int(layout.query_start_loc[-1]), dtype=torch.int32, device=dev)
+        everyone = torch.ones(len(slots), dtype=torch.bool, device=dev)
+        kernels.gather_prefill_tokens(next_ids, self.states.all_token_ids, torch.from_numpy(slots).to(dev),
+                                      torch.from_numpy(layout.query_start_loc).to(dev),
+                                      torch.from_numpy(start + 1).to(dev), everyone)
+        return next_ids
 
     def _draft(self, batch: InputBatch, rows: np.ndarray, h: torch.Tensor, last_pos: np.ndarray, k: int,
                draft_meta: DraftMetadataFn) -> list[list[int]]:
