@@ -145,12 +145,12 @@ class AttentionContext:
             return x.transpose(0, 1).unsqueeze(0)
 
         queries, gqa = heads(q[row.start : row.end]), q.shape[1] != k.shape[1]
-        own_k, own_v = heads(k[row.start : row.end]), heads(v[row.start : row.end])
         if row.mask is not None:  # a sliding window (or a prefix off CPU): SDPA over the whole context
             keys, values = k_cache.index_select(0, row.kv_slots), v_cache.index_select(0, row.kv_slots)
             out = F.scaled_dot_product_attention(queries, heads(keys), heads(values), attn_mask=row.mask,
                                                  enable_gqa=gqa)
             return out[0].transpose(0, 1)
+        own_k, own_v = heads(k[row.start : row.end]), heads(v[row.start : row.end])
         if row.kv_slots is None:
             out = F.scaled_dot_product_attention(queries, own_k, own_v, is_causal=True, enable_gqa=gqa)
             return out[0].transpose(0, 1)
