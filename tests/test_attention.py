@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from worker import cpu_attention
-from worker.attention import PAGED_MAX_QUERY, AttentionContext, allocate_kv_caches
+from worker.attention import PAGED_MAX_QUERY, SPLIT_MIN_QUERY, AttentionContext, allocate_kv_caches
 from worker.input_batch import StepLayout
 
 BLOCK = 16
@@ -52,7 +52,8 @@ CASES = {
     "verify": [(40, 3), (17, 3), (99, 5), (1, 2)],
     "fresh prefill": [(0, 40), (0, 17)],
     "prefix prefill": [(32, 30), (48, 17)],
-    "mixed": [(70, 1), (0, 33), (21, 3), (64, 20), (5, 1)],
+    "long prefix prefill": [(40, 300), (100, 260)],  # the log-sum-exp merge (SPLIT_MIN_QUERY)
+    "mixed": [(70, 1), (0, 33), (21, 3), (64, 20), (5, 1), (40, 260)],
 }
 
 
@@ -80,16 +81,17 @@ def test_cpp_kernel_bf16():
 
 def test_long_rows_leave_the_paged_kernel():
     rng = np.random.default_rng(2)
-    n = PAGED_MAX_QUERY + 1
-    _, views, layout, *_ = random_step(rng, [(0, n), (10, 1), (40, n)], 4, 2, 64, torch.float32)
+    n, big = PAGED_MAX_QUERY + 1, SPLIT_MIN_QUERY
+    _, views, layout, *_ = random_step(rng, [(0, n), (10, 1), (40, n), (40, big)], 4, 2, 64, torch.float32)
     ctx = AttentionContext(views, layout, BLOCK, torch.device("cpu"), None, backend="cpp")
-    assert [(r.start, r.end) for r in ctx.prefill_rows] == [(0, n), (n + 1, 2 * n + 1)]
-    fresh, chunk = ctx.prefill_rows
+    assert [(r.start, r.end) for r in ctx.prefill_rows] == [(0, n), (n + 1, 2 * n + 1), (2 * n + 1, 2 * n + 1 + big)]
+    fresh, chunk, long_chunk = ctx.prefill_rows
     assert fresh.mask is None and fresh.kv_slots is None  # nothing cached before it: causal over its own K/V
-    # After a cached prefix, still no [q, kv] mask on CPU: the prefix's 40 slots, merged by log-sum-exp.
-    assert chunk.mask is None and chunk.kv_slots.shape == (40,)
-    windowed = AttentionContext(views, layout, BLOCK, torch.device("cpu"), 24, backend="cpp").prefill_rows[1]
-    assert windowed.mask is not None and windowed.kv_slots.shape == (40 + n,)  # a window past the context: masked
+    assert chunk.mask is not None and chunk.kv_slots.shape == (40 + n,)  # a short chunk after a prefix: masked
+    # A long one: no [q, kv] mask on CPU, the prefix's 40 slots, merged by log-sum-exp.
+    assert long_chunk.mask is None and long_chunk.kv_slots.shape == (40,)
+    windowed = AttentionContext(views, layout, BLOCK, torch.device("cpu"), 24, backend="cpp").prefill_rows[2]
+    assert windowed.mask is not None and windowed.kv_slots.shape == (40 + big,)  # a window past the context: masked
 
 
 def _run_triton_case(out_path: str) -> None:
