@@ -119,6 +119,18 @@ def test_greedy_and_sampling_steps_keep_their_own_costs():
     assert feed(policy, 1, greedy, [0.8, 0.8], 50).count(2) >= 45, policy.summary()  # greedy still drafts
 
 
+def test_a_new_sampling_bucket_borrows_from_its_own_batch_size_first():
+    """Sampling steps at batch 16 first seen after greedy ones there (drafting loses) and sampling
+    ones at batch 1 (drafting wins): the cost ratios depend on the batch far more than on the kind
+    of step, so the new bucket borrows batch 16's and does not draft, nor measure what clearly loses.
+    Pruning by a borrowed estimate only trusts a neighbour within a factor of 2 in batch size."""
+    policy = SpecPolicy(2)
+    feed(policy, 16, [5.0, 12.0, 17.0], [0.8, 0.8], 100)
+    # Batch 1 is no neighbour of batch 16: what loses there does not keep batch 1 from measuring drafting.
+    assert feed(policy, 1, [5.0, 6.0, 6.5], [0.8, 0.8], 200, sampled=True)[-50:].count(2) >= 45, policy.summary()
+    assert set(feed(policy, 16, [5.0, 12.0, 17.0], [0.8, 0.8], 100, sampled=True)) == {0}, policy.summary()
+
+
 def test_a_k_in_use_that_costs_more_than_its_estimate_is_re_measured_at_once():
     """Drafting's cost doubles (the workload changed: longer contexts, another kind of request):
     the recent steps of the k in use disagree with its estimate, so it is re-measured within a

@@ -212,7 +212,10 @@ class SpecPolicy:
         # plus the MTP layer's backfill over every row's skipped positions: a k that the estimates
         # we have (a neighbour's cost ratio, today's acceptance) say loses clearly is not measured,
         # and re-measured only rarely, in case the acceptance changed while nobody drafted.
-        plausible = [k for k in range(self.num_spec + 1) if self._may_win(k, estimates)]
+        # Only a neighbour within a factor of 2 in batch size counts for that (batch 1's costs say
+        # nothing about batch 16's).
+        near = self.cost_estimates(bucket, near=True)
+        plausible = [k for k in range(self.num_spec + 1) if self._may_win(k, near)]
         unmeasured = [k for k in range(self.num_spec, -1, -1) if unmeasured_k(k) and k in plausible]
         # A bucket passed through briefly (a batch draining) decides from its neighbours' timings;
         # one that keeps coming back, or one nothing is known about, gets measured.
@@ -267,24 +270,27 @@ class SpecPolicy:
         overhead = self.overhead.value
         return self.expected_tokens(k) / (estimates[k] + overhead) >= self.prune / (estimates[0] + overhead)
 
-    def cost_estimates(self, bucket: BucketKey) -> list[float | None]:
+    def cost_estimates(self, bucket: BucketKey, near: bool = False) -> list[float | None]:
         """Seconds per step for each k at `bucket`: k=0 as measured (or the nearest bucket's);
         k>0 as that times the measured ratio C(k)/C(0) here, else at the nearest bucket that has
-        one, else the raw measurement."""
-        base = self._nearest(bucket, lambda c: c.steps[0].value if c.steps[0].count else None)
+        one, else the raw measurement. `near`: only buckets within a factor of 2 in batch size."""
+        base = self._nearest(bucket, lambda c: c.steps[0].value if c.steps[0].count else None, near)
         out: list[float | None] = [base]
         for k in range(1, self.num_spec + 1):
-            ratio = self._nearest(bucket, lambda c, k=k: c.ratio(k))
+            ratio = self._nearest(bucket, lambda c, k=k: c.ratio(k), near)
             if ratio is not None and base is not None:
                 out.append(base * ratio)
             else:
-                out.append(self._nearest(bucket, lambda c, k=k: c.steps[k].value if c.steps[k].count else None))
+                out.append(self._nearest(bucket, lambda c, k=k: c.steps[k].value if c.steps[k].count else None, near))
         return out
 
-    def _nearest(self, bucket: BucketKey, get) -> float | None:
-        """`get` of the nearest bucket that has it: the same kind of step first, then the closest batch size."""
+    def _nearest(self, bucket: BucketKey, get, near: bool = False) -> float | None:
+        """`get` of the nearest bucket that has it: the closest batch size (what a step's cost ratios
+        depend on most), the same kind of step first among equals."""
         size, sampled = bucket
-        for key in sorted(self.buckets, key=lambda b: (b[1] != sampled, abs(b[0] - size), b)):
+        for key in sorted(self.buckets, key=lambda b: (abs(b[0] - size), b[1] != sampled, b)):
+            if near and not size / 2 <= key[0] <= size * 2:
+                continue
             value = get(self.buckets[key])
             if value is not None:
                 return value
