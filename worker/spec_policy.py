@@ -220,15 +220,7 @@ class SpecPolicy:
         # A bucket passed through briefly (a batch draining) decides from its neighbours' timings;
         # one that keeps coming back, or one nothing is known about, gets measured.
         settled = costs.decisions > self.settle_decisions or None in estimates
-        # Re-measure early and often while the estimates rest on few samples, then every explore_every,
-        # doubling (up to 8x) while re-measurements keep confirming the decision: at a batch where
-        # drafting is near break-even each one costs a backfill transition and changes nothing.
-        every = self.explore_every << min(costs.confirmed, 3)
-        interval = min(every, self.first_reexplore << costs.explorations)
-        if self.acceptance[0].count < self.thin_acceptance:
-            # Acceptance is only observed while drafting: a k=0 decision that rests on a few early
-            # drafts (at batch 1, a handful per measurement) would keep its first guess for hundreds of steps.
-            interval = self.first_reexplore
+        interval = self._interval(costs)
         stale = min(plausible, key=lambda k: costs.last_measured[k])
         stalest = min(range(self.num_spec + 1), key=lambda k: costs.last_measured[k])
         if costs.decisions - costs.last_measured[stalest] > self.implausible_every * interval:
@@ -250,6 +242,18 @@ class SpecPolicy:
             self._exploration = Exploration(bucket, k, plan, before)
             return k
         return best
+
+    def _interval(self, costs: BucketCosts) -> int:
+        """Decisions between re-measurements: early and often while the estimates rest on few
+        samples, then every explore_every, doubling (up to 8x) while re-measurements keep confirming
+        the decision (at a batch where drafting is near break-even each one costs a backfill
+        transition and changes nothing)."""
+        if self.acceptance[0].count < self.thin_acceptance:
+            # Acceptance is only observed while drafting: a k=0 decision that rests on a few early
+            # drafts (at batch 1, a handful per measurement) would keep its first guess for hundreds of steps.
+            return self.first_reexplore
+        every = self.explore_every << min(costs.confirmed, 3)
+        return min(every, self.first_reexplore << costs.explorations)
 
     def _surprised(self, costs: BucketCosts, k: int, estimates: list[float | None]) -> bool:
         """Whether the k in use costs clearly more or less than its estimate (k=0's cost times the
