@@ -145,8 +145,8 @@ class MTPDrafter:
         if not pending.any() and not batch.is_prefilling[rows].any():
             # A steady decode step: the successor of each kept position is the token kept after it.
             next_ids = torch.tensor([t for r in rows.tolist() for t in accepted[r]], dtype=torch.int32, device=dev)
-            if self.check_invariants:
-                assert torch.equal(next_ids, self._gather_next_ids(slots, layout, start)), "MTP pass successors"
+            if self.check_invariants and not torch.equal(next_ids, self._gather_next_ids(slots, layout, start)):
+                raise invariants.InvariantViolation("MTP pass: the kept tokens are not the successors in all_token_ids")
         else:
             next_ids = self._gather_next_ids(slots, layout, start)
         st.mtp_pending[slots] = 0
