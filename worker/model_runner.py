@@ -92,7 +92,7 @@ class ModelRunner:
         mode = SpecPolicyMode(config.spec_policy) if config.speculative_method == "mtp" else SpecPolicyMode.FIXED
         self.spec_policy = SpecPolicy(self.num_spec, mode)
         self._last_step_end: float | None = None
-        self._sampled_step = False  # whether the last step had a sampling (non-greedy) row
+        self._sampled_step = False  # whether the last step sampled a non-greedy row (set by _sample)
         self.eos_token_ids = model_cfg.eos_token_ids
         self.check_invariants = invariants.enabled()
         self.kv_tap: KVTap | None = None  # set by a prefill engine in PD (layer-wise KV push)
@@ -186,6 +186,7 @@ class ModelRunner:
         accepted: list[list[int]] = [[] for _ in batch.req_ids]
         rows = np.nonzero(batch.samples)[0]
         if not len(rows):
+            self._sampled_step = False
             return accepted, None
         k = batch.num_drafts[rows]
         # Row r needs logits at its last 1 + k[r] positions (the verified drafts and the bonus);
@@ -206,6 +207,7 @@ class ModelRunner:
         out_index = np.repeat(self._num_output(slots) - starts, width) + np.arange(int(width.sum()))
         drafts_before = [d[:j] for d in drafts for j in range(len(d) + 1)]
         meta = self._position_metadata(pos_slots, out_index, drafts_before)
+        self._sampled_step = not meta.all_greedy  # (for the speculation policy's cost tables)
         constrained = self.grammar.any_active(slots.tolist())
         if constrained:  # structured output: position j masked after drafts[:j]
             meta.allowed_token_mask = self.grammar.position_masks(slots.tolist(), drafts)
@@ -298,8 +300,6 @@ class ModelRunner:
             self.spec_policy.record_acceptance(batch.num_drafts[verified].tolist(),
                                                [len(accepted[r]) - 1 for r in verified.tolist()])
         pending = int(self.states.mtp_pending[batch.slots].sum()) if isinstance(self.drafter, MTPDrafter) else 0
-        params = self.states.sampling_params
-        self._sampled_step = any(params[s].temperature >= GREEDY_TEMPERATURE_EPS for s in batch.slots[batch.samples])
         return self.spec_policy.choose(int(batch.samples.sum()), pending, self._sampled_step)
 
     def _time_step(self, batch: InputBatch, k: int, start: float) -> None:

@@ -229,7 +229,7 @@ class SpecPolicy:
         # up to 4 intervals.
         overdue = costs.decisions - costs.last_measured[stale]
         due = overdue > interval and (pending <= self.backfill_per_row * batch_size or overdue > 4 * interval)
-        best = self.best_k(bucket)
+        best = self.best_k(bucket, estimates)
         if not due and self._surprised(costs, best, estimates):
             stale, due = best, True
         if (unmeasured and settled) or due:
@@ -300,13 +300,15 @@ class SpecPolicy:
                 return value
         return None
 
-    def best_k(self, bucket: BucketKey | int) -> int:
+    def best_k(self, bucket: BucketKey | int, estimates: list[float | None] | None = None) -> int:
         """The k of the highest expected tokens/s. Drafting must beat k=0 by `margin` plus a doubt
         that shrinks with the number of cost ratios behind it (timings are noisy, and in doubt
-        not drafting is the safe choice). An int `bucket` means greedy steps."""
+        not drafting is the safe choice). An int `bucket` means greedy steps; `estimates`: the
+        bucket's cost_estimates, when the caller has them."""
         if isinstance(bucket, int):
             bucket = (bucket, False)
-        estimates = self.cost_estimates(bucket)
+        if estimates is None:
+            estimates = self.cost_estimates(bucket)
         if estimates[0] is None:
             return self.num_spec
         overhead = self.overhead.value
