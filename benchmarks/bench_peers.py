@@ -141,7 +141,7 @@ class Online:
 
 
 # Thread layouts `pdserve serve` does not default to: rows only when asked for with --systems.
-LAYOUT_VARIANTS = ("colocated-2t", "pd-pinned")
+LAYOUT_VARIANTS = ("colocated-2t", "pd-pinned", "pd-p2t")
 
 
 def workloads(quick: bool) -> tuple[list[Offline], dict[str, Online]]:
@@ -298,6 +298,11 @@ def systems(args: argparse.Namespace, stripped: Path, original: Path) -> dict[st
             "pd-pinned", "pdserve PD, no spec, engines pinned", "pdserve",
             [*pdserve, "--model", str(stripped), "--mode", "pd", "--speculative-method", "none",
              "--max-num-seqs", str(args.max_num_seqs), "--cpu-affinity", "pin"], pd_env,
+        ),
+        "pd-p2t": System(
+            "pd-p2t", "pdserve PD, no spec, 2 prefill threads", "pdserve",
+            [*pdserve, "--model", str(stripped), "--mode", "pd", "--speculative-method", "none",
+             "--max-num-seqs", str(args.max_num_seqs), "--prefill-threads", "2"], pd_env,
         ),
         # `make serve`: `pdserve serve` with no flags, i.e. PD + MTP on the checkpoint with its MTP layer.
         "default": System(

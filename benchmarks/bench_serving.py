@@ -334,21 +334,28 @@ async def send_request(client, url: str, payload: dict, headers: dict, prompt_le
 
 # -- /metrics -----------------------------------------------------------------------------------
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)")
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_K_LABEL = re.compile(r'[{,]k="(\d+)"')
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum every sample by metric name (over all label sets: instances, roles, buckets)."""
+    """Sum every sample by metric name (over all label sets: instances, roles, buckets); a sample
+    with a `k` label (steps by the number of drafts chosen) also under `name[k]`."""
     sums: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#"):
             continue
         m = _SAMPLE.match(line)
-        if m:
-            try:
-                sums[m.group(1)] = sums.get(m.group(1), 0.0) + float(m.group(2))
-            except ValueError:
-                continue
+        if not m:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        sums[m.group(1)] = sums.get(m.group(1), 0.0) + value
+        if m.group(2) and (k := _K_LABEL.search(m.group(2))):
+            key = f"{m.group(1)}[{k.group(1)}]"
+            sums[key] = sums.get(key, 0.0) + value
     return sums
 
 
@@ -377,8 +384,18 @@ def spec_decode_stats(before: dict[str, float] | None, after: dict[str, float] |
                 return None  # the counters exist but nothing was drafted: no speculative decoding in this run
             return {"accepted_tokens": accepted, "draft_tokens": drafted, "drafts": drafts,
                     "acceptance_rate": accepted / drafted if drafted > 0 else None,
-                    "acceptance_length": 1.0 + accepted / drafts if drafts else None}
+                    "acceptance_length": 1.0 + accepted / drafts if drafts else None,
+                    "chosen_k": chosen_k_shares(before, after, f"{prefix}:spec_decode_num_steps_by_k_total")}
     return None
+
+
+def chosen_k_shares(before: dict[str, float], after: dict[str, float], name: str) -> list[float] | None:
+    """Share of the run's decode steps at each number of drafts the adaptive policy chose."""
+    steps = []
+    while (key := f"{name}[{len(steps)}]") in after:
+        steps.append(after[key] - before.get(key, 0.0))
+    total = sum(steps)
+    return [n / total for n in steps] if total > 0 else None
 
 
 def server_latency_means(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
@@ -619,6 +636,9 @@ def format_report(r: dict) -> str:
         row("Drafts:", spec["drafts"], "<10.0f")
         row("Draft tokens:", spec["draft_tokens"], "<10.0f")
         row("Accepted tokens:", spec["accepted_tokens"], "<10.0f")
+        if spec.get("chosen_k"):
+            lines.append("{:<40}{}".format("Steps by drafts chosen (k: share):",
+                                           " ".join(f"{k}:{x:.2f}" for k, x in enumerate(spec["chosen_k"]))))
     server = r.get("server_side")
     if server:
         lines.append("{s:{c}^50}".format(s="Server-side (/metrics)", c="-"))

@@ -64,10 +64,18 @@ def measure(server: str, loads: dict[str, list[str]], log: Path) -> dict[str, di
                 spec = r.get("spec_decode") or {}
                 out[f"{name} T={temp:g}"] = {"tok_s": r["output_throughput"], "itl_p50": r["median_itl_ms"],
                                              "accept_len": spec.get("acceptance_length") or float("nan"),
-                                             "failed": r["failed"]}
+                                             "failed": r["failed"], "chosen_k": spec.get("chosen_k") or []}
     finally:
         stop_process_group(proc)
     return out
+
+
+def chosen_k(per_round) -> str:
+    """'k:share ...', the mean over rounds of each k's share of the decode steps."""
+    shares = [s for s in per_round if s]
+    if not shares:
+        return "-"
+    return " ".join(f"{k}:{statistics.mean(s[k] for s in shares):.2f}" for k in range(len(shares[0])))
 
 
 def main() -> None:
@@ -94,12 +102,14 @@ def main() -> None:
              f"{os.cpu_count()} cores; `pdserve serve` defaults (1 prefill + 1 decode engine) with and without "
              f"`--speculative-method none`; median of {len(runs['mtp'])} round(s), servers alternating.", "",
              "| workload | no spec tok/s | MTP tok/s | MTP / no spec | ITL p50 no spec / MTP (ms) | "
-             "MTP acceptance length | failed |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "MTP acceptance length | MTP steps by k chosen (mean share) | failed |",
+             "|---|---:|---:|---:|---:|---:|---|---:|"]
     for key in keys:
         base, mtp = med("none", key, "tok_s"), med("mtp", key, "tok_s")
         failed = sum(r[key]["failed"] for s in runs for r in runs[s])
         lines.append(f"| {key} | {base:.1f} | {mtp:.1f} | {mtp / base:.2f}x | {med('none', key, 'itl_p50'):.1f} / "
-                     f"{med('mtp', key, 'itl_p50'):.1f} | {med('mtp', key, 'accept_len'):.2f} | {failed} |")
+                     f"{med('mtp', key, 'itl_p50'):.1f} | {med('mtp', key, 'accept_len'):.2f} | "
+                     f"{chosen_k(r[key]['chosen_k'] for r in runs['mtp'])} | {failed} |")
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)
     print(text)

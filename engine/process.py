@@ -170,6 +170,8 @@ class EngineProcess:
         if self.core.runner.drafter is not None:  # steps by the number of drafts the policy chose
             chosen = self.core.runner.spec_policy.chosen_k_counts
             per_position["spec_decode_num_steps_by_k_total"] = [float(n) for n in chosen]
+            if logger.isEnabledFor(logging.DEBUG):  # PDSERVE_LOG_LEVEL=DEBUG: the policy's cost tables
+                logger.debug("spec policy: %s", self.core.runner.spec_policy.summary())
         self._emit(msg.Heartbeat(self.name, self.role, self.connector.kv_endpoint,
                                  stats.kv_blocks_free, stats.kv_blocks_total, stats.num_running,
                                  stats.num_waiting, counters, per_position))

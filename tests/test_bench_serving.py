@@ -100,6 +100,10 @@ def test_bench_report_files_and_agreement_with_server_metrics(bench_model, tmp_p
     drafted = after["pdserve:spec_decode_num_draft_tokens_total"] - before["pdserve:spec_decode_num_draft_tokens_total"]
     assert spec is not None and spec["draft_tokens"] == drafted > 0
     assert 0.0 <= spec["acceptance_rate"] <= 1.0
+    # The steps by k the policy chose (the per-k counter, by its k label), as shares of the run's steps.
+    steps = [after[f"pdserve:spec_decode_num_steps_by_k_total[{k}]"]
+             - before.get(f"pdserve:spec_decode_num_steps_by_k_total[{k}]", 0.0) for k in range(len(spec["chosen_k"]))]
+    assert sum(steps) > 0 and spec["chosen_k"] == pytest.approx([n / sum(steps) for n in steps])
 
     ttft_sum, ttft_count = histogram_delta(before, after, "time_to_first_token_seconds")
     itl_sum, itl_count = histogram_delta(before, after, "inter_token_latency_seconds")
@@ -159,5 +163,12 @@ def test_metric_definitions_match_vllm_on_synthetic_requests():
              "pdserve:spec_decode_num_drafts_total": 50}
     spec = spec_decode_stats(before, after)
     assert spec["acceptance_rate"] == pytest.approx(0.5) and spec["acceptance_length"] == pytest.approx(2.0)
+    assert spec["chosen_k"] is None  # no per-k counter scraped
+    text = ('pdserve:spec_decode_num_steps_by_k_total{k="0",role="decode"} 30\n'
+            'pdserve:spec_decode_num_steps_by_k_total{role="decode",k="1"} 10\n'
+            'pdserve:spec_decode_num_steps_by_k_total{k="0",role="decode",instance="b"} 20\n')
+    scraped = {**after, **parse_prometheus(text)}
+    assert scraped["pdserve:spec_decode_num_steps_by_k_total"] == 60  # summed over label sets, as before
+    assert spec_decode_stats(before, scraped)["chosen_k"] == pytest.approx([50 / 60, 10 / 60])
     no_spec = {"pdserve:time_to_first_token_seconds_sum": 1.0}
     assert spec_decode_stats(no_spec, no_spec) is None  # absent: not reported

@@ -168,6 +168,29 @@ def test_rows_without_drafts_sample_like_the_plain_sampler() -> None:
         assert out.accepted_token_ids == [[t] for t in plain]
 
 
+@pytest.mark.parametrize("explicit_q", [False, True])
+def test_a_batch_without_greedy_rows_skips_their_work_and_draws_the_same(explicit_q: bool) -> None:
+    """`no_greedy` (set by the runner when every row samples) skips the argmax / one-hot that only
+    greedy rows read: the same seeds give the same tokens and acceptances as the general path."""
+    vocab, ks = 40, [3, 0, 2, 1]
+    logits = random_logits(sum(ks) + len(ks), vocab, seed=31)
+    q = torch.softmax(random_logits(sum(ks), vocab, seed=32), -1) if explicit_q else None
+    drafts = [[1, 2, 3], [], [4, 5], [6]]
+    temps, seeds = [1.0, 0.8, 1.2, 0.6], [11, 12, None, 14]
+
+    def run(no_greedy: bool | None):
+        gens = [make_generator(s) if s is not None else None for s in seeds]
+        meta = SamplingMetadata.from_lists(temps, generators=gens, top_p=[1.0, 0.9, 1.0, 1.0])
+        meta.no_greedy = no_greedy
+        return RejectionSampler(Sampler(seed=7))(logits, ks, drafts, q, meta)
+
+    assert SamplingMetadata.from_lists(temps).no_greedy and not SamplingMetadata.from_lists([1.0, 0.0]).no_greedy
+    for _ in range(3):
+        fast, general = run(True), run(False)
+        assert fast.accepted_token_ids == general.accepted_token_ids
+        assert fast.num_accepted_drafts == general.num_accepted_drafts
+
+
 def seeded_request(seed: int, vocab: int = 20, k: int = 4):
     """A request whose drafts come from a q that differs from p, so both paths occur."""
     logits = random_logits(k + 1, vocab, seed=1000 + seed)

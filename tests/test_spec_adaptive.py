@@ -171,6 +171,32 @@ def test_a_due_re_measurement_waits_for_little_backfill():
     assert 0 < policy.choose(16, pending=16 * 2)  # few pending: it measures now
 
 
+def test_a_bucket_next_to_a_measured_one_warms_up_with_one_pair_per_k():
+    """Serving moves a decode batch between neighbouring buckets (12..16 rows under PD): a bucket
+    whose neighbour has measured k already takes that ratio as its prior and measures k once itself,
+    not `warmup_pairs` times (each measurement holds k for steps that may cost 2-3x a plain one)."""
+    def pairs_at_12(policy: SpecPolicy) -> list[int]:
+        feed(policy, 12, [5.0, 9.5, 13.0], [0.8, 0.8], 60)  # settles (16 decisions), warms up
+        return [policy.buckets[12, False].ratios[k].count for k in (1, 2)]
+
+    alone = SpecPolicy(2, prune=0.0)
+    assert pairs_at_12(alone) == [alone.warmup_pairs] * 2
+    beside = SpecPolicy(2, prune=0.0)
+    feed(beside, 16, [5.0, 9.5, 13.0], [0.8, 0.8], 100)
+    assert [beside.buckets[16, False].ratios[k].count >= beside.warmup_pairs for k in (1, 2)] == [True, True]
+    assert pairs_at_12(beside) == [1, 1], beside.summary()
+
+
+def test_a_warm_up_waits_for_little_backfill():
+    """A bucket that settles has rows that skipped the MTP layer at their previous batch size: its
+    warm-up, like a re-measurement, waits for a moment with few positions to backfill."""
+    policy = SpecPolicy(2, prune=0.0)
+    feed(policy, 16, [5.0, 9.5, 13.0], [0.8, 0.8], 100)  # k=0 is best at 16; 12 will borrow that
+    waited = [policy.choose(12, pending=12 * 100) for _ in range(3 * policy.settle_decisions)]
+    assert set(waited) == {0} and policy.buckets[12, False].explorations == 0
+    assert 0 < policy.choose(12, pending=12 * 2)  # few pending: it warms up now
+
+
 # ----------------------------------------------------------------- min_tokens inside a verify window
 
 

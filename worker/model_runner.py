@@ -279,6 +279,7 @@ class ModelRunner:
             banned_token_ids=banned if any(banned) else None,
             max_num_logprobs=-1,
             all_greedy=all(g is None for g in generators),
+            no_greedy=all(g is not None for g in generators),
             no_penalties=prompt_ids is None,
             no_top_k=all(p.top_k <= 0 for p in params),
             no_top_p=all(p.top_p >= 1.0 for p in params),

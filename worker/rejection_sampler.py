@@ -180,7 +180,8 @@ class RejectionSampler:
         # for all positions at once.
         pos_meta = self._expand_meta(meta, ix.ks, draft_token_ids)
         logits = self.sampler.apply_penalties_and_bans(logits.float(), pos_meta)
-        target_argmax = logits.argmax(dim=-1)  # [T]: the greedy target at every position
+        # [T]: the greedy target at every position (None when no row is greedy: nothing reads it)
+        target_argmax = None if meta.no_greedy else logits.argmax(dim=-1)
         probs = None if meta.all_greedy else self.sampler.compute_probs(logits, pos_meta)  # [T, V]
         if draft_probs is not None:
             draft_probs = draft_probs.to(device=logits.device, dtype=torch.float32)
@@ -200,9 +201,8 @@ class RejectionSampler:
     def _accept_each(self, ix: _DraftIndex, target_argmax: torch.Tensor, probs: torch.Tensor | None,
                      draft_probs: torch.Tensor | None, meta: SamplingMetadata) -> torch.Tensor:
         """Accept/reject every draft independently (the prefix is taken afterwards)."""
-        greedy_accept = target_argmax[ix.verify_rows] == ix.drafts
         if probs is None:
-            return greedy_accept
+            return target_argmax[ix.verify_rows] == ix.drafts
         p_draft = probs[ix.verify_rows, ix.drafts]
         if draft_probs is None:
             q_draft = torch.ones_like(p_draft)
@@ -212,8 +212,10 @@ class RejectionSampler:
         # u < p/q written without the division: accepts with probability min(1, p/q),
         # never accepts a token the target rules out (p = 0), and needs no q > 0 guard.
         random_accept = uniforms * q_draft < p_draft
+        if meta.no_greedy:
+            return random_accept
         greedy = meta.temperature < GREEDY_TEMPERATURE_EPS  # [B]
-        return torch.where(greedy[ix.req_of_draft], greedy_accept, random_accept)
+        return torch.where(greedy[ix.req_of_draft], target_argmax[ix.verify_rows] == ix.drafts, random_accept)
 
     def _final_tokens(self, ix: _DraftIndex, num_accepted: torch.Tensor, target_argmax: torch.Tensor,
                       probs: torch.Tensor | None, draft_probs: torch.Tensor | None,
@@ -240,6 +242,8 @@ class RejectionSampler:
             final_dist = torch.where(use_residual.unsqueeze(1), residual, final_p)
         # B rows with the requests' own generators: exactly V uniforms per seeded row.
         sampled = self.sampler.sample_from_probs(final_dist, meta)
+        if meta.no_greedy:
+            return sampled
         greedy = meta.temperature < GREEDY_TEMPERATURE_EPS
         return torch.where(greedy, target_argmax[final_rows], sampled)
 

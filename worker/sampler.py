@@ -94,6 +94,7 @@ class SamplingMetadata:
     banned_token_ids: list[list[int]] | None  # per row tokens forbidden this step; None = none
     max_num_logprobs: int  # -1: no logprobs; else top-n (0: only the sampled token's logprob)
     all_greedy: bool  # every row greedy: skip probabilities and random draws entirely
+    no_greedy: bool | None = None  # no row greedy: skip the one-hot / argmax that only greedy rows use
     no_penalties: bool | None = None
     no_top_k: bool | None = None
     no_top_p: bool | None = None
@@ -102,6 +103,8 @@ class SamplingMetadata:
     allowed_token_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        if self.no_greedy is None:
+            self.no_greedy = not bool((self.temperature < GREEDY_TEMPERATURE_EPS).any())
         if self.no_penalties is None:
             self.no_penalties = not bool(
                 (self.repetition_penalty != 1.0).any()
@@ -174,6 +177,7 @@ class SamplingMetadata:
             banned_token_ids=banned_token_ids,
             max_num_logprobs=max_num_logprobs,
             all_greedy=all(t < GREEDY_TEMPERATURE_EPS for t in temps),
+            no_greedy=all(t >= GREEDY_TEMPERATURE_EPS for t in temps),
             no_penalties=all(r == 1.0 for r in rps) and all(f == 0.0 for f in fps) and all(p == 0.0 for p in pps),
             no_top_k=all(k <= 0 for k in ks),
             no_top_p=all(p >= 1.0 for p in ps),
@@ -204,6 +208,7 @@ class SamplingMetadata:
             # A subset keeps every "off" property of the whole; "on" may become
             # "off" but skipping less work is only slower, never wrong.
             all_greedy=self.all_greedy,
+            no_greedy=self.no_greedy,
             no_penalties=self.no_penalties,
             no_top_k=self.no_top_k,
             no_top_p=self.no_top_p,
@@ -366,14 +371,16 @@ class Sampler:
         Ties at the k-th largest value are all kept by top-k.
         """
         logits = logits.float()
-        greedy = meta.temperature < GREEDY_TEMPERATURE_EPS
-        argmax = logits.argmax(dim=-1)
-        one_hot = torch.zeros_like(logits).scatter_(1, argmax.unsqueeze(1), 1.0)
-        if meta.all_greedy:
-            return one_hot
-
-        # Greedy rows divide by 1 (their values are replaced by the one-hot below).
-        temperature = torch.where(greedy, torch.ones_like(meta.temperature), meta.temperature)
+        if meta.no_greedy:
+            one_hot = greedy = None
+            temperature = meta.temperature
+        else:
+            greedy = meta.temperature < GREEDY_TEMPERATURE_EPS
+            one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+            if meta.all_greedy:
+                return one_hot
+            # Greedy rows divide by 1 (their values are replaced by the one-hot below).
+            temperature = torch.where(greedy, torch.ones_like(meta.temperature), meta.temperature)
         logits = logits / temperature.to(logits.dtype).unsqueeze(1)
 
         if not (meta.no_top_k and meta.no_top_p):
@@ -386,7 +393,7 @@ class Sampler:
             logits = logits.masked_fill(logits < threshold, float("-inf"))
 
         probs = torch.softmax(logits, dim=-1)
-        return torch.where(greedy.unsqueeze(1), one_hot, probs)
+        return probs if greedy is None else torch.where(greedy.unsqueeze(1), one_hot, probs)
 
     @staticmethod
     def _apply_top_k_top_p(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -450,6 +457,8 @@ class Sampler:
         q.neg_().log1p_().neg_()
 
         race = (probs.float() / q.clamp_min_(_MIN_EXP_SAMPLE)).argmax(dim=-1)
+        if meta.no_greedy:
+            return race
         greedy = meta.temperature < GREEDY_TEMPERATURE_EPS
         return torch.where(greedy, probs.argmax(dim=-1), race)
 

@@ -21,8 +21,9 @@ old estimate until the next exploration (which does not back off while that esti
 A k that the estimates at hand (a neighbouring bucket's cost ratio, today's
 acceptance) say loses clearly to k=0 is neither warmed up nor re-measured at a bucket, except rarely: at a big batch
 each measured step costs 2-4x a plain one, plus the MTP layer's backfill over the positions skipped meanwhile.
-For the same reason re-measurements back off while they keep confirming the decision, and a due one waits for a
-moment with few skipped positions (new rows, a stash flush).
+For the same reason re-measurements back off while they keep confirming the decision, a due one -- and a warm-up
+too -- waits for a moment with few skipped positions (new rows, a stash flush), and a bucket whose neighbour has
+measured k already warms k up with one measurement of its own.
 """
 from __future__ import annotations
 
@@ -206,14 +207,17 @@ class SpecPolicy:
         estimates = self.cost_estimates(bucket)
 
         def unmeasured_k(k: int) -> bool:
-            return costs.ratios[k].count < self.warmup_pairs if k else costs.steps[0].count < self.warmup_samples
+            if not k:
+                return costs.steps[0].count < self.warmup_samples
+            # One measurement of its own suffices where a neighbour has measured k already: the
+            # ratios of nearby batch sizes are alike, and one ratio still carries the full doubt.
+            return costs.ratios[k].count < (1 if self._neighbour_measured(bucket, k) else self.warmup_pairs)
 
         # Measuring k costs a few steps at k (a big batch on a CPU pays 2-4x a plain step for each)
         # plus the MTP layer's backfill over every row's skipped positions: a k that the estimates
         # we have (a neighbour's cost ratio, today's acceptance) say loses clearly is not measured,
-        # and re-measured only rarely, in case the acceptance changed while nobody drafted.
-        # Only a neighbour within a factor of 2 in batch size counts for that (batch 1's costs say
-        # nothing about batch 16's).
+        # and re-measured only rarely, in case the acceptance changed while nobody drafted. Only a
+        # neighbour within 2x in batch size counts for that (batch 1's costs say nothing of batch 16's).
         near = self.cost_estimates(bucket, near=True)
         plausible = [k for k in range(self.num_spec + 1) if self._may_win(k, near)]
         unmeasured = [k for k in range(self.num_spec, -1, -1) if unmeasured_k(k) and k in plausible]
@@ -225,20 +229,24 @@ class SpecPolicy:
         stalest = min(range(self.num_spec + 1), key=lambda k: costs.last_measured[k])
         if costs.decisions - costs.last_measured[stalest] > self.implausible_every * interval:
             stale = stalest
-        # A due re-measurement waits for a moment with little backfill to pay (new rows, a flush),
-        # up to 4 intervals.
+        # A due re-measurement, and a warm-up (the rows of a bucket that settles have been skipping the
+        # MTP layer at their previous batch size), wait for a moment with little backfill to pay
+        # (new rows, a flush), up to 4 intervals.
+        little = pending <= self.backfill_per_row * batch_size
         overdue = costs.decisions - costs.last_measured[stale]
-        due = overdue > interval and (pending <= self.backfill_per_row * batch_size or overdue > 4 * interval)
+        due = overdue > interval and (little or overdue > 4 * interval)
         best = self.best_k(bucket, estimates)
         if not due and self._surprised(costs, best, estimates):
             stale, due = best, True
-        if (unmeasured and settled) or due:
-            k = unmeasured[0] if unmeasured and settled else stale
+        warm = bool(unmeasured) and settled and (unmeasured[0] == 0 or little
+                                                 or costs.decisions > self.settle_decisions + 4 * interval)
+        if warm or due:
+            k = unmeasured[0] if warm else stale
             costs.explorations += 1
             # Hold k (its first step is a transition, not timed), then k=0 right after, for the ratio.
             plan = [k] * self.hold_steps + ([0] * (self.hold_steps + 1) if k else [])
             costs.last_measured[k] = costs.last_measured[0] = costs.decisions
-            before = None if unmeasured and settled else best
+            before = None if warm else best
             self._exploration = Exploration(bucket, k, plan, before)
             return k
         return best
@@ -266,6 +274,12 @@ class SpecPolicy:
         if len(recent) < window:
             return False
         return abs(statistics.median(recent) / estimates[k] - 1) > self.surprise
+
+    def _neighbour_measured(self, bucket: BucketKey, k: int) -> bool:
+        """Whether another bucket within a factor of 2 in batch size has a warmed-up ratio for k."""
+        size = bucket[0]
+        return any(key != bucket and size / 2 <= key[0] <= size * 2 and c.ratios[k].count >= self.warmup_pairs
+                   for key, c in self.buckets.items())
 
     def _may_win(self, k: int, estimates: list[float | None]) -> bool:
         """Whether drafting k could beat not drafting by the estimates we have (True when unknown)."""
@@ -334,5 +348,6 @@ class SpecPolicy:
             ratios = " ".join(f"{r:.2f}" if (r := costs.ratio(k)) is not None else "-"
                               for k in range(1, self.num_spec + 1))
             kind = " sampled" if sampled else ""
-            parts.append(f"b{bucket}{kind}: [{ms}] ms, C(k)/C(0) [{ratios}] -> k={self.best_k((bucket, sampled))}")
+            parts.append(f"b{bucket}{kind}: [{ms}] ms, C(k)/C(0) [{ratios}] -> k={self.best_k((bucket, sampled))} "
+                         f"({costs.explorations} measurements in {costs.decisions} decisions)")
         return f"acceptance [{acc}]; " + "; ".join(parts)
