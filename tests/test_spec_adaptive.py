@@ -197,6 +197,18 @@ def test_a_warm_up_waits_for_little_backfill():
     assert 0 < policy.choose(12, pending=12 * 2)  # few pending: it warms up now
 
 
+def test_resuming_drafting_near_break_even_takes_a_wider_margin():
+    """Rows that skipped the MTP layer for a while make the first drafting step pay its backfill: a k
+    that wins by less than `resume_margin` is not resumed while much is pending (near break-even the
+    decision would flip with the noise and pay a backfill at each flip); with little pending it is."""
+    policy = SpecPolicy(2, prune=0.0)
+    feed(policy, 16, [5.0, 7.0, 10.0], [0.6, 0.6], 300)  # rates vs k=0: k=1 1.6/1.4 = 1.14, k=2 0.98
+    assert policy.best_k(16) == 1, policy.summary()
+    assert set(policy.choose(16, pending=16 * 100) for _ in range(20)) == {0}, policy.summary()
+    assert policy.choose(16, pending=16 * 2) == 1
+    assert policy.best_k(16, extra=policy.resume_margin) == 0
+
+
 # ----------------------------------------------------------------- min_tokens inside a verify window
 
 

@@ -23,7 +23,8 @@ acceptance) say loses clearly to k=0 is neither warmed up nor re-measured at a b
 each measured step costs 2-4x a plain one, plus the MTP layer's backfill over the positions skipped meanwhile.
 For the same reason re-measurements back off while they keep confirming the decision, a due one -- and a warm-up
 too -- waits for a moment with few skipped positions (new rows, a stash flush), and a bucket whose neighbour has
-measured k already warms k up with one measurement of its own.
+measured k already warms k up with one measurement of its own. Resuming drafting while much backfill is pending
+takes a wider margin, so that a decision near break-even does not flip with the noise and pay a backfill each time.
 """
 from __future__ import annotations
 
@@ -131,6 +132,7 @@ class SpecPolicy:
     implausible_every: int = 8        # ... except after this many re-measurement intervals
     thin_acceptance: int = 64         # drafts verified at position 1 below which re-measuring does not back off
     surprise: float = 0.25            # re-measure a k in use whose recent median is this far off its estimate
+    resume_margin: float = 0.1        # added to the margin while the rows have much backfill pending
     acceptance: list[Ewma] = field(default_factory=list)
     buckets: dict[BucketKey, BucketCosts] = field(default_factory=dict)
     overhead: Ewma = field(default_factory=lambda: Ewma(0.0))
@@ -197,13 +199,8 @@ class SpecPolicy:
         e = self._exploration
         if e is not None and e.bucket == bucket and e.plan:
             return e.plan.pop(0)
-        if e is not None and e.k and e.timed_k and e.timed_0:
-            ratio = statistics.median(e.timed_k) / statistics.median(e.timed_0)
-            explored = self.buckets[e.bucket]
-            explored.ratios[e.k].update(explored.decisions, ratio)
-            if e.before is not None:
-                explored.confirmed = explored.confirmed + 1 if self.best_k(e.bucket) == e.before else 0
-        self._exploration = None
+        if e is not None:
+            self._finish(e)
         estimates = self.cost_estimates(bucket)
 
         def unmeasured_k(k: int) -> bool:
@@ -235,7 +232,10 @@ class SpecPolicy:
         little = pending <= self.backfill_per_row * batch_size
         overdue = costs.decisions - costs.last_measured[stale]
         due = overdue > interval and (little or overdue > 4 * interval)
-        best = self.best_k(bucket, estimates)
+        # Resuming drafting first pays the backfill of every skipped position: with much of it
+        # pending, drafting must win by `resume_margin` more (near break-even, the decision would
+        # flip with the noise and pay a backfill at each flip).
+        best = self.best_k(bucket, estimates, 0.0 if little else self.resume_margin)
         if not due and self._surprised(costs, best, estimates):
             stale, due = best, True
         warm = bool(unmeasured) and settled and (unmeasured[0] == 0 or little
@@ -250,6 +250,16 @@ class SpecPolicy:
             self._exploration = Exploration(bucket, k, plan, before)
             return k
         return best
+
+    def _finish(self, e: Exploration) -> None:
+        """Record a finished (or abandoned: the batch moved on) measurement's ratio C(k)/C(0)."""
+        if e.k and e.timed_k and e.timed_0:
+            ratio = statistics.median(e.timed_k) / statistics.median(e.timed_0)
+            explored = self.buckets[e.bucket]
+            explored.ratios[e.k].update(explored.decisions, ratio)
+            if e.before is not None:
+                explored.confirmed = explored.confirmed + 1 if self.best_k(e.bucket) == e.before else 0
+        self._exploration = None
 
     def _interval(self, costs: BucketCosts) -> int:
         """Decisions between re-measurements: early and often while the estimates rest on few
@@ -314,11 +324,11 @@ class SpecPolicy:
                 return value
         return None
 
-    def best_k(self, bucket: BucketKey | int, estimates: list[float | None] | None = None) -> int:
+    def best_k(self, bucket: BucketKey | int, estimates: list[float | None] | None = None, extra: float = 0.0) -> int:
         """The k of the highest expected tokens/s. Drafting must beat k=0 by `margin` plus a doubt
         that shrinks with the number of cost ratios behind it (timings are noisy, and in doubt
         not drafting is the safe choice). An int `bucket` means greedy steps; `estimates`: the
-        bucket's cost_estimates, when the caller has them."""
+        bucket's cost_estimates, when the caller has them; `extra`: margin on top (resuming)."""
         if isinstance(bucket, int):
             bucket = (bucket, False)
         if estimates is None:
@@ -329,7 +339,7 @@ class SpecPolicy:
         rates = [self.expected_tokens(k) / (c + overhead) if c is not None else 0.0 for k, c in enumerate(estimates)]
         best = max(range(1, self.num_spec + 1), key=rates.__getitem__, default=0)
         evidence = self._nearest(bucket, lambda c: c.ratios[best].count or None) or 1
-        return best if rates[best] > rates[0] * (self.margin + self.doubt / evidence) else 0
+        return best if rates[best] > rates[0] * (self.margin + extra + self.doubt / evidence) else 0
 
     def _bucket(self, batch_size: int, sampled: bool = False) -> BucketCosts:
         bucket = (batch_bucket(batch_size), sampled)
