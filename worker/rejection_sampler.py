@@ -198,7 +198,7 @@ class RejectionSampler:
                          sum(num_accepted_list))
         return RejectionOutput(accepted_token_ids=accepted_token_ids, num_accepted_drafts=num_accepted_list)
 
-    def _accept_each(self, ix: _DraftIndex, target_argmax: torch.Tensor, probs: torch.Tensor | None,
+    def _accept_each(self, ix: _DraftIndex, target_argmax: torch.Tensor | None, probs: torch.Tensor | None,
                      draft_probs: torch.Tensor | None, meta: SamplingMetadata) -> torch.Tensor:
         """Accept/reject every draft independently (the prefix is taken afterwards)."""
         if probs is None:
@@ -217,7 +217,7 @@ class RejectionSampler:
         greedy = meta.temperature < GREEDY_TEMPERATURE_EPS  # [B]
         return torch.where(greedy[ix.req_of_draft], target_argmax[ix.verify_rows] == ix.drafts, random_accept)
 
-    def _final_tokens(self, ix: _DraftIndex, num_accepted: torch.Tensor, target_argmax: torch.Tensor,
+    def _final_tokens(self, ix: _DraftIndex, num_accepted: torch.Tensor, target_argmax: torch.Tensor | None,
                       probs: torch.Tensor | None, draft_probs: torch.Tensor | None,
                       meta: SamplingMetadata) -> torch.Tensor:
         """The one token after the accepted prefix: recovered (after a rejection) or the bonus."""

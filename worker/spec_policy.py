@@ -138,6 +138,8 @@ class SpecPolicy:
     overhead: Ewma = field(default_factory=lambda: Ewma(0.0))
     chosen_k_counts: list[int] = field(default_factory=list)  # decisions per k (exported as a metric)
     _exploration: Exploration | None = None
+    # Per bucket, every bucket nearest first (see _nearest); rebuilt when a bucket is added.
+    _order: dict[BucketKey, list[BucketKey]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.acceptance = [Ewma(self.prior_acceptance) for _ in range(self.num_spec)]
@@ -208,7 +210,8 @@ class SpecPolicy:
                 return costs.steps[0].count < self.warmup_samples
             # One measurement of its own suffices where a neighbour has measured k already: the
             # ratios of nearby batch sizes are alike, and one ratio still carries the full doubt.
-            return costs.ratios[k].count < (1 if self._neighbour_measured(bucket, k) else self.warmup_pairs)
+            count = costs.ratios[k].count
+            return count < 1 or (count < self.warmup_pairs and not self._neighbour_measured(bucket, k))
 
         # Measuring k costs a few steps at k (a big batch on a CPU pays 2-4x a plain step for each)
         # plus the MTP layer's backfill over every row's skipped positions: a k that the estimates
@@ -316,7 +319,10 @@ class SpecPolicy:
         """`get` of the nearest bucket that has it: the closest batch size (what a step's cost ratios
         depend on most), the same kind of step first among equals."""
         size, sampled = bucket
-        for key in sorted(self.buckets, key=lambda b: (abs(b[0] - size), b[1] != sampled, b)):
+        order = self._order.get(bucket)
+        if order is None:  # (called several times a step: sort once per bucket, not per call)
+            order = self._order[bucket] = sorted(self.buckets, key=lambda b: (abs(b[0] - size), b[1] != sampled, b))
+        for key in order:
             if near and not size / 2 <= key[0] <= size * 2:
                 continue
             value = get(self.buckets[key])
@@ -348,6 +354,7 @@ class SpecPolicy:
             n = self.num_spec + 1
             costs = BucketCosts([RecentMedian() for _ in range(n)], [0] * n, ratios=[RecentMedian() for _ in range(n)])
             self.buckets[bucket] = costs
+            self._order.clear()
         return costs
 
     def summary(self) -> str:
