@@ -141,7 +141,7 @@ class Online:
 
 
 # Thread layouts `pdserve serve` does not default to: rows only when asked for with --systems.
-LAYOUT_VARIANTS = ("colocated-2t", "pd-pinned", "pd-p2t")
+LAYOUT_VARIANTS = ("colocated-2t", "pd-pinned", "pd-p2t", "pd-compiled", "colocated-compiled")
 
 
 def workloads(quick: bool) -> tuple[list[Offline], dict[str, Online]]:
@@ -303,6 +303,16 @@ def systems(args: argparse.Namespace, stripped: Path, original: Path) -> dict[st
             "pd-p2t", "pdserve PD, no spec, 2 prefill threads", "pdserve",
             [*pdserve, "--model", str(stripped), "--mode", "pd", "--speculative-method", "none",
              "--max-num-seqs", str(args.max_num_seqs), "--prefill-threads", "2"], pd_env,
+        ),
+        "pd-compiled": System(
+            "pd-compiled", "pdserve PD, no spec, compiled", "pdserve",
+            [*pdserve, "--model", str(stripped), "--mode", "pd", "--speculative-method", "none",
+             "--max-num-seqs", str(args.max_num_seqs), "--no-enforce-eager"], pd_env,
+        ),
+        "colocated-compiled": System(
+            "colocated-compiled", "pdserve colocated, no spec, compiled", "pdserve",
+            [*pdserve, "--model", str(stripped), "--mode", "colocated", "--speculative-method", "none",
+             "--max-num-seqs", str(args.max_num_seqs), "--no-enforce-eager"], pd_env,
         ),
         # `make serve`: `pdserve serve` with no flags, i.e. PD + MTP on the checkpoint with its MTP layer.
         "default": System(

@@ -144,8 +144,9 @@ class EngineConfig:
     # when the target runs in float32 on hardware with native bf16 math, else the target's dtype.
     draft_dtype: str = "auto"
     # Run the model eagerly instead of compiling its forward with torch.compile (worker/compilation.py).
-    # None: PDSERVE_ENFORCE_EAGER if set, else eager on CPU, where compiling gained 0-10% (batch 32 to 1,
-    # benchmarks/results/compile.txt) for ~30 s more start-up per engine, and compiled on CUDA.
+    # None: PDSERVE_ENFORCE_EAGER if set, else eager on CPU, where compiling gained -8..+10% by batch size
+    # and 1-2% on long prefills (benchmarks/results/compile.txt), nothing through the server, for ~30 s
+    # more start-up per engine (10 s with a warm cache); compiled on CUDA.
     enforce_eager: bool | None = None
     # How many drafts per step: "adaptive" (0..K from measured acceptance and step cost,
     # worker/spec_policy.py) or "fixed" (always K). Applies to MTP; n-gram is always fixed.

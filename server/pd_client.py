@@ -268,13 +268,14 @@ class RemoteEngineClient:
     def _prefill_on_decode(self, tracked: Tracked, p: Instance, d: Instance) -> bool:
         """Conditional disaggregation (as Dynamo does it): when the chosen P already has more than
         `local_prefill_above` prompt tokens waiting, a fresh request is prefilled on its D instead,
-        as on a colocated engine, unless that D has at least as much prefill queued itself. Under a
-        stream of long prompts one P is the bottleneck: the queue shows up as TTFT while D idles
-        between decode steps; D's chunked prefill costs its running streams some ITL instead."""
+        as on a colocated engine, unless that D has at least as much prefill queued itself (the
+        request then starts where less is ahead of it). Under a stream of long prompts one P is the
+        bottleneck: the queue shows up as TTFT while D idles between decode steps; D's chunked
+        prefill costs its running streams some ITL instead."""
         if not self.local_prefill_above or tracked.streamed:
             return False  # a resume keeps the handoff path: D continues from the streamed tokens
         queued_p = self._queued_prefill_tokens(p)
-        return queued_p > self.local_prefill_above and self._queued_prefill_tokens(d) + len(tracked.prompt) <= queued_p
+        return queued_p > self.local_prefill_above and self._queued_prefill_tokens(d) < queued_p
 
     def _recover(self, tracked: Tracked, reason: str, failed: Collection[str]) -> None:
         """The instances `failed` died or failed the request retryably: end this attempt everywhere,

@@ -55,3 +55,35 @@ def test_off_when_threshold_is_zero(checkpoints, tmp_path):
             assert client.counters()["requests_prefilled_on_decode_total"] == 0
     finally:
         engines.stop()
+
+
+def test_a_request_starts_where_less_prefill_is_ahead_of_it():
+    """The routing rule on its own: past the threshold, D takes a fresh request whenever it has less
+    prefill queued than P (a long prompt arriving just behind another on P starts on D at once
+    instead of waiting a whole prefill); never a resume, and never below the threshold."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from engine.types import EngineRole
+    from server.pd_client import Instance, RemoteEngineClient, Tracked
+
+    params = SamplingParams(max_tokens=4)
+    p, d = Instance("p", EngineRole.PREFILL), Instance("d", EngineRole.DECODE)
+    # P holds one prompt of 1400 tokens that has not streamed yet; D holds nothing.
+    router = SimpleNamespace(local_prefill_above=1024,
+                             tracked={"p0": Tracked("p0", [0] * 1400, params, asyncio.Queue(), prefill="p")})
+    p.outstanding.add("p0")
+    router._queued_prefill_tokens = lambda inst: RemoteEngineClient._queued_prefill_tokens(router, inst)
+
+    def on_decode(prompt_len: int, streamed: list[int] | None = None) -> bool:
+        tracked = Tracked("new", [0] * prompt_len, params, asyncio.Queue(), streamed=streamed or [])
+        return RemoteEngineClient._prefill_on_decode(router, tracked, p, d)
+
+    assert on_decode(1500)                   # D's 0 queued < P's 1400, though 0 + 1500 > 1400
+    assert not on_decode(1500, streamed=[7])  # a resume keeps the handoff path
+    router.local_prefill_above = 2048
+    assert not on_decode(1500)               # P's queue is below the threshold
+    router.local_prefill_above = 1024
+    router.tracked["d0"] = Tracked("d0", [0] * 1400, params, asyncio.Queue(), prefill="d")
+    d.outstanding.add("d0")
+    assert not on_decode(1500)               # D holds as much as P: P, as without the rule
