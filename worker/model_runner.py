@@ -17,7 +17,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.types import TokenLogprobs
 from scheduler.output import RunnerOutput, SchedulerOutput
-from worker import invariants, kernels
+from worker import fused_ops, invariants, kernels
 from worker.attention import AttentionContext, allocate_kv_caches, default_backend
 from worker.compilation import ModelForward
 from worker.drafter import MTPDrafter, NgramDrafter
@@ -64,8 +64,10 @@ class ModelRunner:
                                 max_positions=max_len + lookahead + 8, num_mtp_layers=num_mtp,
                                 draft_dtype=self.draft_dtype, compiled=not config.enforce_eager)
         self.forward = ModelForward(self.model, compile_model=not config.enforce_eager)
-        # Chosen (and on CPU the kernel built or loaded) now, before the engine serves.
+        # Chosen (and on CPU the kernels built or loaded) now, before the engine serves.
         self.attention_backend = default_backend(self.device)
+        if self.device.type == "cpu":
+            fused_ops.enable()
         self.num_kv_layers = model_cfg.num_hidden_layers + num_mtp  # MTP layers get their own paged cache
         self.num_kv_blocks = num_kv_blocks_for(config, model_cfg, self.num_kv_layers)
         self.kv_cache, self.kv_views = allocate_kv_caches(

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from worker import fused_ops
 from worker.models.linear import Linear
 
 
@@ -30,8 +31,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.hf_exact or (x.dtype == torch.float32 and self.weight.dtype == torch.float32):
-            # One fused op; in fp32 it is bit-identical to the expanded form below.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            # One op (worker/fused_ops.py); in fp32 it matches the expanded form below.
+            return fused_ops.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 and cast back before the weight, exactly as transformers does.
         dtype = x.dtype
         x = x.float()
@@ -83,9 +84,7 @@ class Rope(NamedTuple):
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]; the same arithmetic as transformers' apply_rotary_pos_emb."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * self.cos + rotated * self.sin
+        return fused_ops.rope(x, self.cos, self.sin)
 
 
 class Attention(nn.Module):

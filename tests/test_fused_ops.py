@@ -1,0 +1,74 @@
+"""The C++ RMSNorm and rotary embedding (worker/csrc/fused_ops.cpp) against their torch references,
+on the shapes and strides the model hands them; and the fallbacks (another dtype, the switch off,
+a torch.compile trace). End to end, every exactness test vs transformers runs them too."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker import fused_ops
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not fused_ops.enable():
+        pytest.fail("the fused ops did not build (a C++ compiler is part of the set-up)")
+
+
+def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_rope_is_bit_identical_on_a_slice_of_the_qkv_projection(tokens):
+    """As the model calls it: q and k heads sliced out of the stacked projection (strided rows),
+    cos and sin unbound from one [T, 2, 1, D] lookup (strided too)."""
+    g = torch.Generator().manual_seed(tokens)
+    heads = torch.randn(tokens, 4 + 2 * 2, 64, generator=g)
+    cos, sin = torch.randn(tokens, 2, 1, 64, generator=g).unbind(1)
+    qk = heads[:, :6]
+    assert tokens == 1 or not (qk.is_contiguous() or cos.is_contiguous())  # (one row is contiguous anyway)
+    assert torch.equal(torch.ops.pdserve_fused.rope(qk, cos, sin), reference_rope(qk, cos, sin))
+    assert torch.equal(fused_ops.rope(qk, cos, sin), reference_rope(qk, cos, sin))
+
+
+@pytest.mark.parametrize("shape", [(1, 256), (33, 256), (5, 3, 24)])
+def test_rms_norm_matches_torch(shape):
+    """Hidden rows, and Qwen3's per-head q/k norm ([T, heads, head_dim], normalised over head_dim)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+    out = torch.ops.pdserve_fused.rms_norm(x, w, 1e-6)
+    ref = F.rms_norm(x, (shape[-1],), w, 1e-6)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
+
+
+def test_rms_norm_takes_strided_rows():
+    x = torch.randn(6, 512)[:, :256]  # rows 512 apart, each contiguous
+    w = torch.randn(256)
+    torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (256,), w, 1e-5), rtol=2e-6, atol=1e-6)
+
+
+def test_bad_inputs_are_refused_by_the_op_and_routed_around_by_the_wrappers():
+    x = torch.randn(4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.pdserve_fused.rope(x, torch.randn(4, 1, 64), torch.randn(4, 1, 64))
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        torch.ops.pdserve_fused.rope(x.float(), torch.randn(4, 64), torch.randn(4, 64))
+    # bf16 (a bf16 MTP drafter) goes to the torch expression, as does the op with the switch off.
+    c, s = torch.randn(4, 1, 64, dtype=torch.bfloat16), torch.randn(4, 1, 64, dtype=torch.bfloat16)
+    assert torch.equal(fused_ops.rope(x, c, s), reference_rope(x, c, s))
+    w = torch.randn(64, dtype=torch.bfloat16)
+    assert torch.equal(fused_ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (64,), w, 1e-6))
+
+
+def test_switched_off_and_under_compile_it_is_the_torch_expression(monkeypatch):
+    x = torch.randn(3, 4, 16)
+    cos, sin = torch.randn(3, 2, 1, 16).unbind(1)
+    monkeypatch.setattr(fused_ops, "_enabled", False)
+    assert torch.equal(fused_ops.rope(x, cos, sin), reference_rope(x, cos, sin))
+    monkeypatch.setattr(fused_ops, "_enabled", True)
+    compiled = torch.compile(fused_ops.rope, fullgraph=True)  # no custom op in the graph: it traces
+    torch.testing.assert_close(compiled(x, cos, sin), reference_rope(x, cos, sin))

@@ -1,0 +1,51 @@
+"""RMSNorm and rotary embedding as one op each on the CPU (`worker/csrc/fused_ops.cpp`).
+
+A decode step on a CPU is a few rows, so the decoder layer's elementwise work costs what its
+dispatches cost: RMSNorm alone is seven torch ops. For fp32 CPU tensors in eager mode each
+function here is one C++ op doing the same arithmetic in one pass; otherwise (another dtype or
+device, a torch.compile trace -- Inductor fuses these itself --, `PDSERVE_FUSED_OPS=0`, or no
+compiler to build with) it runs the torch expression, which is also the reference the tests
+compare the C++ ops with. The engine builds the ops at start (`enable`), never inside a step.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from worker import cpp_build
+
+# Strict IEEE arithmetic: no reassociation, no contracted multiply-adds (see the source's header).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+
+_enabled = False
+
+
+def enable() -> bool:
+    """Build (or load) the C++ ops unless PDSERVE_FUSED_OPS=0; whether they are in use."""
+    global _enabled
+    if not _enabled and os.environ.get("PDSERVE_FUSED_OPS", "1") not in ("0", "false"):
+        _enabled = cpp_build.build("fused_ops.cpp", CFLAGS, "fused elementwise ops")
+    return _enabled
+
+
+def _fused(x: torch.Tensor) -> bool:
+    return _enabled and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2, -1) + eps)); the reference is torch's own rms_norm."""
+    if _fused(x) and weight.dtype == torch.float32 and x.stride(-1) == 1:
+        return torch.ops.pdserve_fused.rms_norm(x, weight, eps)
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated as transformers' apply_rotary_pos_emb; cos/sin [T, 1, head_dim]."""
+    if _fused(x) and x.dim() == 3 and x.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1:
+        return torch.ops.pdserve_fused.rope(x, cos, sin)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
