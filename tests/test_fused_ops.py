@@ -72,3 +72,19 @@ def test_switched_off_and_under_compile_it_is_the_torch_expression(monkeypatch):
     monkeypatch.setattr(fused_ops, "_enabled", True)
     compiled = torch.compile(fused_ops.rope, fullgraph=True)  # no custom op in the graph: it traces
     torch.testing.assert_close(compiled(x, cos, sin), reference_rope(x, cos, sin))
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 384, 4099])
+def test_argmax_is_torch_argmax(vocab):
+    """Random rows, and the edge cases torch defines: ties (the first), NaN (the first NaN), a row
+    of -inf (index 0); vocab sizes off the 16-wide vector; strided rows (a slice of a wider buffer)."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(40, vocab + 3, generator=g)[:, :vocab]
+    x[1] = float("-inf")
+    x[2] = 0.5
+    if vocab > 9:
+        x[3, 9] = x[3, vocab - 1] = 1e6               # a tie: the first
+        x[4, 7] = x[4, vocab - 2] = float("nan")     # NaN beats everything: the first NaN
+        x[5, vocab - 1] = float("inf")
+    assert torch.equal(fused_ops.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(torch.ops.pdserve_fused.argmax(x.contiguous()), x.argmax(dim=-1))

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from worker import invariants, kernels
+from worker import fused_ops, invariants, kernels
 from worker.attention import AttentionContext
 from worker.input_batch import InputBatch, StepLayout
 from worker.kv_tap import StepTap
@@ -196,7 +196,7 @@ class MTPDrafter:
             logits = logits.masked_fill(~walk.mask().to(logits.device), float("-inf"))
         meta = draft_meta(slots, j) if self.mode is DraftMode.COUPLED else None
         if meta is None:
-            token = logits.argmax(-1).to(torch.int32)
+            token = fused_ops.argmax(logits).to(torch.int32)
         else:
             token = self.sampler(logits, meta).sampled_token_ids
         if walk is not None:

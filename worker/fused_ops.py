@@ -1,4 +1,4 @@
-"""RMSNorm and rotary embedding as one op each on the CPU (`worker/csrc/fused_ops.cpp`).
+"""RMSNorm and rotary embedding as one op each on the CPU, and a faster argmax (`worker/csrc/fused_ops.cpp`).
 
 A decode step on a CPU is a few rows, so the decoder layer's elementwise work costs what its
 dispatches cost: RMSNorm alone is seven torch ops. For fp32 CPU tensors in eager mode each
@@ -49,3 +49,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) of [rows, vocab] logits (int64): the first of equal maxima, NaN first."""
+    if _fused(logits) and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[-1] > 0:
+        return torch.ops.pdserve_fused.argmax(logits)
+    return logits.argmax(dim=-1)

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker import fused_ops
 from worker.sampler import GREEDY_TEMPERATURE_EPS, Sampler, SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class RejectionSampler:
         pos_meta = self._expand_meta(meta, ix.ks, draft_token_ids)
         logits = self.sampler.apply_penalties_and_bans(logits.float(), pos_meta)
         # [T]: the greedy target at every position (None when no row is greedy: nothing reads it)
-        target_argmax = None if meta.no_greedy else logits.argmax(dim=-1)
+        target_argmax = None if meta.no_greedy else fused_ops.argmax(logits)
         probs = None if meta.all_greedy else self.sampler.compute_probs(logits, pos_meta)  # [T, V]
         if draft_probs is not None:
             draft_probs = draft_probs.to(device=logits.device, dtype=torch.float32)
@@ -253,7 +254,7 @@ class RejectionSampler:
     def _greedy(logits: torch.Tensor, ks: Sequence[int], draft_token_ids: Sequence[Sequence[int]]) -> RejectionOutput:
         """All-greedy batch without penalties or bans (the common case): one argmax, one sync, and
         the prefix walk on the host. Same result as the general path, a fraction of its ops."""
-        return accept_matching_prefix(logits.argmax(dim=-1).tolist(), ks, draft_token_ids)
+        return accept_matching_prefix(fused_ops.argmax(logits).tolist(), ks, draft_token_ids)
 
     @staticmethod
     def _validate(

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker import fused_ops
+
 logger = logging.getLogger(__name__)
 
 # Temperatures below this are treated as greedy: dividing by them would overflow
@@ -299,7 +301,7 @@ class Sampler:
 
         logits = self.apply_penalties_and_bans(logits, meta)
         if meta.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = fused_ops.argmax(logits)
         else:
             sampled = self.sample_from_probs(self.compute_probs(logits, meta), meta)
 
@@ -376,7 +378,7 @@ class Sampler:
             temperature = meta.temperature
         else:
             greedy = meta.temperature < GREEDY_TEMPERATURE_EPS
-            one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+            one_hot = torch.zeros_like(logits).scatter_(1, fused_ops.argmax(logits).unsqueeze(1), 1.0)
             if meta.all_greedy:
                 return one_hot
             # Greedy rows divide by 1 (their values are replaced by the one-hot below).
@@ -432,7 +434,7 @@ class Sampler:
         if num_rows == 0:
             return torch.empty(0, dtype=torch.long, device=probs.device)
         if meta.all_greedy:
-            return probs.argmax(dim=-1)
+            return fused_ops.argmax(probs)
 
         q = torch.empty_like(probs, dtype=torch.float32)
         unseeded = [r for r, g in enumerate(meta.generators) if g is None]
@@ -456,11 +458,11 @@ class Sampler:
         # 4096-token row on CPU), and every random position of a step pays it.
         q.neg_().log1p_().neg_()
 
-        race = (probs.float() / q.clamp_min_(_MIN_EXP_SAMPLE)).argmax(dim=-1)
+        race = fused_ops.argmax(probs.float() / q.clamp_min_(_MIN_EXP_SAMPLE))
         if meta.no_greedy:
             return race
         greedy = meta.temperature < GREEDY_TEMPERATURE_EPS
-        return torch.where(greedy, probs.argmax(dim=-1), race)
+        return torch.where(greedy, fused_ops.argmax(probs), race)
 
     @staticmethod
     def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_top: int) -> LogprobsTensors:

@@ -14,8 +14,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace {
 
@@ -99,14 +104,66 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return out;
 }
 
+int64_t row_argmax(const float* x, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vbest = _mm512_set1_ps(best);
+  __mmask16 unordered = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    vbest = _mm512_max_ps(vbest, v);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  best = _mm512_reduce_max_ps(vbest);
+  nan = unordered != 0;
+#endif
+  for (; i < n; ++i) {
+    best = x[i] > best ? x[i] : best;
+    nan = nan || x[i] != x[i];
+  }
+  int64_t at = 0;
+#if defined(__AVX512F__)
+  if (!nan) {
+    const __m512 vb = _mm512_set1_ps(best);
+    for (; at + 16 <= n; at += 16) {
+      const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + at), vb, _CMP_EQ_OQ);
+      if (hit) return at + __builtin_ctz(hit);
+    }
+  }
+#endif
+  while (nan ? x[at] == x[at] : x[at] != best) ++at;  // what is sought is in the row: the scan stops
+  return at;
+}
+
+// Index of each row's largest value, the first where several are equal (torch.argmax's rule),
+// the first NaN where a row has one (torch's too). torch's CPU argmax tracks the index element
+// by element; here a vectorised max then a scan for its first position, two quick passes.
+at::Tensor argmax(const at::Tensor& logits) {
+  check_fp32_cpu(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
+              "logits must be [rows, vocab] with rows contiguous");
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* src = logits.data_ptr<float>();
+  int64_t* dst = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) dst[r] = row_argmax(src + r * stride, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_fused, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("argmax(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_fused, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);
+  m.impl("argmax", &argmax);
 }
