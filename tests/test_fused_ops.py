@@ -57,11 +57,22 @@ def test_bad_inputs_are_refused_by_the_op_and_routed_around_by_the_wrappers():
         torch.ops.pdserve_fused.rope(x, torch.randn(4, 1, 64), torch.randn(4, 1, 64))
     with pytest.raises(RuntimeError, match="cos and sin"):
         torch.ops.pdserve_fused.rope(x.float(), torch.randn(4, 64), torch.randn(4, 64))
-    # bf16 (a bf16 MTP drafter) goes to the torch expression, as does the op with the switch off.
+    # A bf16 rope (a bf16 model) and an fp16 norm go to the torch expression.
     c, s = torch.randn(4, 1, 64, dtype=torch.bfloat16), torch.randn(4, 1, 64, dtype=torch.bfloat16)
     assert torch.equal(fused_ops.rope(x, c, s), reference_rope(x, c, s))
-    w = torch.randn(64, dtype=torch.bfloat16)
-    assert torch.equal(fused_ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (64,), w, 1e-6))
+    half, w16 = x.half(), torch.randn(64, dtype=torch.float16)
+    assert torch.equal(fused_ops.rms_norm(half, w16, 1e-6), F.rms_norm(half, (64,), w16, 1e-6))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.pdserve_fused.rms_norm(half, w16, 1e-6)
+
+
+def test_bf16_rms_norm_of_the_drafter_is_torch_within_its_rounding():
+    """The bf16 MTP drafter's norms: computed in fp32 and rounded once, as torch's bf16 rms_norm."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(9, 256, generator=g).bfloat16(), torch.randn(256, generator=g).bfloat16()
+    out = torch.ops.pdserve_fused.rms_norm(x, w, 1e-6)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, F.rms_norm(x, (256,), w, 1e-6), rtol=1e-2, atol=1e-2)
 
 
 def test_switched_off_and_under_compile_it_is_the_torch_expression(monkeypatch):

@@ -30,13 +30,14 @@ def enable() -> bool:
     return _enabled
 
 
-def _fused(x: torch.Tensor) -> bool:
-    return _enabled and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+def _fused(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    return _enabled and x.dtype in dtypes and x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x * rsqrt(mean(x^2, -1) + eps)); the reference is torch's own rms_norm."""
-    if _fused(x) and weight.dtype == torch.float32 and x.stride(-1) == 1:
+    """weight * (x * rsqrt(mean(x^2, -1) + eps)); the reference is torch's own rms_norm. (bf16 too:
+    RMSNorm calls this for bf16 only where it need not match transformers, the MTP drafter.)"""
+    if _fused(x, (torch.float32, torch.bfloat16)) and weight.dtype == x.dtype and x.stride(-1) == 1:
         return torch.ops.pdserve_fused.rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
 

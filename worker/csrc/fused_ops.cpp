@@ -32,33 +32,43 @@ void check_fp32_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
 }
 
+template <typename scalar_t>
+void rms_norm_rows(const scalar_t* src, int64_t stride, const scalar_t* w, scalar_t* dst, int64_t rows, int64_t n,
+                   float eps) {
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = src + r * stride;
+      scalar_t* yr = dst + r * n;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < n; ++i) sum += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      const float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i)
+        yr[i] = static_cast<scalar_t>(static_cast<float>(w[i]) * (static_cast<float>(xr[i]) * scale));
+    }
+  });
+}
+
 // y = w * (x * 1/sqrt(mean(x^2) + eps)) over the last dimension; x's rows may be strided, each
-// row contiguous.
+// row contiguous. fp32, or bf16 computed in fp32 and rounded once (a bf16 MTP drafter's norms,
+// which need no bit-exactness).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_fp32_cpu(x, "x");
-  check_fp32_cpu(weight, "weight");
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "x and weight must be CPU tensors of one dtype, float32 or bfloat16");
   const int64_t n = weight.numel();
   TORCH_CHECK(x.size(-1) == n && x.stride(-1) == 1, "x's last dimension must be contiguous and match weight");
   TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
   at::Tensor rows = x.reshape({-1, n});  // a view where the leading dimensions allow it
   at::Tensor out = at::empty({rows.size(0), n}, x.options());
-  const float* w = weight.data_ptr<float>();
-  const float* src = rows.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  const int64_t stride = rows.stride(0);
-  const float e = static_cast<float>(eps);
-  at::parallel_for(0, rows.size(0), grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = src + r * stride;
-      float* yr = dst + r * n;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < n; ++i) sum += xr[i] * xr[i];
-      const float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + e);
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) yr[i] = w[i] * (xr[i] * scale);
-    }
-  });
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_rows(rows.data_ptr<float>(), rows.stride(0), weight.data_ptr<float>(), out.data_ptr<float>(),
+                  rows.size(0), n, static_cast<float>(eps));
+  } else {
+    rms_norm_rows(rows.data_ptr<at::BFloat16>(), rows.stride(0), weight.data_ptr<at::BFloat16>(),
+                  out.data_ptr<at::BFloat16>(), rows.size(0), n, static_cast<float>(eps));
+  }
   return out.view(x.sizes());
 }
 
