@@ -1,11 +1,13 @@
-"""RMSNorm and rotary embedding as one op each on the CPU, and a faster argmax (`worker/csrc/fused_ops.cpp`).
+"""RMSNorm and rotary embedding as one op each on the CPU, and an argmax (`worker/csrc/fused_ops.cpp`).
 
 A decode step on a CPU is a few rows, so the decoder layer's elementwise work costs what its
-dispatches cost: RMSNorm alone is seven torch ops. For fp32 CPU tensors in eager mode each
-function here is one C++ op doing the same arithmetic in one pass; otherwise (another dtype or
-device, a torch.compile trace -- Inductor fuses these itself --, `PDSERVE_FUSED_OPS=0`, or no
-compiler to build with) it runs the torch expression, which is also the reference the tests
-compare the C++ ops with. The engine builds the ops at start (`enable`), never inside a step.
+dispatches cost: RMSNorm alone is seven torch ops. And torch's CPU argmax over the vocabulary
+tracks its index element by element (~110 us for 16 rows of 4096, against ~12 us vectorised).
+For fp32 CPU tensors in eager mode each function here is one C++ op doing the same arithmetic in
+one pass (bf16 too for RMSNorm); otherwise (another dtype or device, a torch.compile trace --
+Inductor fuses these itself --, `PDSERVE_FUSED_OPS=0`, or no compiler to build with) it runs the
+torch expression, which is also the reference the tests compare the C++ ops with. The engine
+builds the ops at start (`enable`), never inside a step.
 """
 from __future__ import annotations
 
@@ -49,7 +51,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
-
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
