@@ -1,4 +1,4 @@
-// Fused elementwise ops of the decoder layer on the CPU, fp32.
+// Fused elementwise ops of the decoder layer on the CPU (fp32; RMSNorm in bf16 too), and argmax.
 //
 // At decode a step is a handful of rows, so what an op costs is mostly its dispatch: RMSNorm is
 // seven torch ops (pow, mean, add, rsqrt, two muls, a cast), rotary embedding six. Each of these
