@@ -74,12 +74,12 @@ def main() -> None:
              f"CPU time on cpu; decode: prompts of {args.prompt_len} tokens, 128 new tokens, greedy (output tok/s); "
              "prefill: one prompt, one output token (prompt tok/s)",
              f"{'step':>14}{'eager':>10}{'compiled':>10}{'ratio':>8}"]
-    rows = [(f"decode b{b}", [rng.integers(5, 4000, args.prompt_len).tolist() for _ in range(b)], params)
-            for b in args.batches]
-    rows += [(f"prefill {n}", [rng.integers(5, 4000, n).tolist()], msgspec.structs.replace(params, max_tokens=1))
+    # (row name, prompts, params, the tokens a run counts: output tokens for decode, prompt tokens for prefill)
+    rows = [(f"decode b{b}", [rng.integers(5, 4000, args.prompt_len).tolist() for _ in range(b)], params,
+             b * params.max_tokens) for b in args.batches]
+    rows += [(f"prefill {n}", [rng.integers(5, 4000, n).tolist()], msgspec.structs.replace(params, max_tokens=1), n)
              for n in args.prefill_lens]
-    for name, prompts, p in rows:
-        tokens = len(prompts) * p.max_tokens if p.max_tokens > 1 else len(prompts[0])
+    for name, prompts, p, tokens in rows:
         eager, compiled = compare(engines, prompts, p, args, tokens)
         lines.append(f"{name:>14}{eager:>10.0f}{compiled:>10.0f}{compiled / eager:>7.2f}x")
         print(lines[-1], flush=True)
