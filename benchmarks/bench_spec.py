@@ -52,23 +52,6 @@ def make_llm(model: str, method: str | None, k: int, batch: int, device: str, po
     return llm
 
 
-def timed_round(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[int, float]:
-    """Decode tokens and seconds for one batch: from the step that has given every request its
-    first token (the prefill, i.e. TTFT, is not decode) to the last token."""
-    engine = llm.engine
-    pending = {engine.add_request(p, params) for p in prompts}
-    start, decoded = None, 0
-    while engine.has_unfinished():
-        updates = engine.step()
-        if start is None:
-            pending -= {u.req_id for u in updates if u.new_token_ids}
-            if not pending:
-                start = time.perf_counter()
-            continue
-        decoded += sum(len(u.new_token_ids) for u in updates)
-    return decoded, time.perf_counter() - start
-
-
 def acceptance(model: str, k: int, params: SamplingParams, device: str):
     llm = make_llm(model, "mtp", k, 16, device)
     llm.generate(prompts_for(llm, 16), params)
@@ -88,21 +71,60 @@ class Contender:
         return sum(n for n, _ in self.runs) / sum(t for _, t in self.runs)
 
 
+TURN_SECONDS = 0.2  # how long one engine steps before the next takes its turn
+
+
+@dataclass
+class InFlight:
+    """One contender's batch: requests still waiting for their first token, then decode totals."""
+    waiting: set[str]
+    decoded: int = 0
+    seconds: float = 0.0
+
+
+def interleaved_round(contenders: list[Contender], prompts: list[list[int]], params: SamplingParams) -> None:
+    """Every contender decodes the same batch at the same time, taking turns of TURN_SECONDS of
+    engine steps (the order rotating), so that the machine's drift -- on this shared VM its speed
+    moves by a third within seconds -- hits every contender alike. A contender's decode time is
+    the sum of its own steps after the step that gave every request its first token (the prefill,
+    i.e. TTFT, is not decode). Turns are longer than the adaptive policy's 50 ms limit on the gap
+    between steps, so another engine's turn is never taken for this engine's overhead, and long
+    enough that the first step of a turn, which finds the caches full of another engine's weights,
+    is a small share of it."""
+    flights = {c.label: InFlight({c.llm.engine.add_request(p, params) for p in prompts}) for c in contenders}
+    order = list(contenders)
+    while order:
+        for c in list(order):
+            engine, flight = c.llm.engine, flights[c.label]
+            turn_end = time.perf_counter() + TURN_SECONDS
+            while engine.has_unfinished() and time.perf_counter() < turn_end:
+                start = time.perf_counter()
+                updates = engine.step()
+                seconds = time.perf_counter() - start
+                if flight.waiting:
+                    flight.waiting -= {u.req_id for u in updates if u.new_token_ids}
+                    continue
+                flight.decoded += sum(len(u.new_token_ids) for u in updates)
+                flight.seconds += seconds
+            if not engine.has_unfinished():
+                c.runs.append((flight.decoded, flight.seconds))
+                order.remove(c)
+        order = order[1:] + order[:1]
+
+
 def speed(contenders: list[Contender], batch: int, rounds: int, params: SamplingParams) -> None:
-    """The engines live side by side and take turns on the same batch, round by round (order
-    rotating), so drift in the machine's speed (a shared VM) hits all alike. One untimed round
-    first: the adaptive policy measures its step costs at this batch size there."""
+    """The engines live side by side and decode the same batch at once, taking turns (see
+    interleaved_round). One untimed round first: the adaptive policy measures its step costs at
+    this batch size there."""
     prompts = prompts_for(contenders[0].llm, batch * (rounds + 1))
+    interleaved_round(contenders, prompts[:batch], params)
     for c in contenders:
-        timed_round(c.llm, prompts[:batch], params)
+        c.runs.clear()
         c.llm.engine.scheduler.spec_stats.__init__()
         policy = c.llm.engine.runner.spec_policy
         policy.chosen_k_counts = [0] * len(policy.chosen_k_counts)
     for r in range(rounds):
-        chunk = prompts[(r + 1) * batch : (r + 2) * batch]
-        for i in range(len(contenders)):
-            c = contenders[(i + r) % len(contenders)]
-            c.runs.append(timed_round(c.llm, chunk, params))
+        interleaved_round(contenders, prompts[(r + 1) * batch : (r + 2) * batch], params)
 
 
 def median_ratio(a: Contender, base: Contender) -> float:

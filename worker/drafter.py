@@ -57,6 +57,11 @@ class MTPDrafter:
     def propose(self, batch: InputBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,
                 draft_meta: DraftMetadataFn) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
+        if not k and self.kv_tap is None and self._steady(batch) and self._stash_one_each(batch, hidden):
+            # The common k=0 step under load (one position per row, nothing to hand over or verify):
+            # stashed without the general bookkeeping below, which cost a few percent of such a step.
+            self.flushed = False
+            return drafts
         n_valid = batch.num_valid(accepted)
         # Rows whose prompt KV is handed to a decode instance (tapped) leave this engine after this
         # step: they need the MTP layer's KV of every prompt position now (no later pass would
@@ -94,19 +99,13 @@ class MTPDrafter:
         if not len(rows):
             return overflow
         if self.stash is None:
-            self.stash = torch.empty(self.states.max_num_seqs, self.stash_positions, hidden.shape[1],
-                                     dtype=hidden.dtype, device=self.device)
+            self._allocate_stash(hidden)
         pending, qsl = self.states.mtp_pending, batch.layout.query_start_loc
         slots = batch.slots[rows]
         if (n_valid[rows] == 1).all() and (pending[slots] < self.stash_positions).all():
-            # The steady k=0 step: one position per row, stashed with a single indexed copy.
-            dev = self.device
-            flat = torch.from_numpy(slots.astype(np.int64) * self.stash_positions + pending[slots]).to(dev)
-            # Every row of the step, one token each (rows <= batch <= tokens): the hidden states as they are.
-            every = len(rows) == hidden.shape[0]
-            src = hidden if every else hidden.index_select(0, torch.from_numpy(qsl[rows]).to(dev))
-            self.stash.view(-1, hidden.shape[1]).index_copy_(0, flat, src)
-            pending[slots] += 1
+            # One position per row: a single indexed copy.
+            src = hidden.index_select(0, torch.from_numpy(qsl[rows]).to(self.device))
+            self._stash_rows(slots, src)
             return overflow
         for row in rows.tolist():
             slot, n = int(batch.slots[row]), int(n_valid[row])
@@ -117,6 +116,33 @@ class MTPDrafter:
             self.stash[slot, have : have + n] = hidden[qsl[row] : qsl[row] + n]
             pending[slot] = have + n
         return overflow
+
+    @staticmethod
+    def _steady(batch: InputBatch) -> bool:
+        """Every row decodes one token, verifies nothing and samples (n_valid is 1 everywhere)."""
+        return len(batch.slots) == int(batch.layout.query_start_loc[-1]) and not batch.num_drafts.any() \
+            and bool(batch.samples.all()) and not batch.is_prefilling.any()
+
+    def _stash_one_each(self, batch: InputBatch, hidden: torch.Tensor) -> bool:
+        """Stash the one hidden state of every row of a steady step; False (nothing stashed) when
+        some row's stash is full (the general path flushes it)."""
+        if self.stash is None:
+            self._allocate_stash(hidden)
+        if (self.states.mtp_pending[batch.slots] >= self.stash_positions).any():
+            return False
+        self._stash_rows(batch.slots, hidden)
+        return True
+
+    def _stash_rows(self, slots: np.ndarray, src: torch.Tensor) -> None:
+        """Append src[i] to the stash of slots[i] (one position each)."""
+        pending = self.states.mtp_pending
+        flat = torch.from_numpy(slots.astype(np.int64) * self.stash_positions + pending[slots]).to(self.device)
+        self.stash.view(-1, src.shape[1]).index_copy_(0, flat, src)
+        pending[slots] += 1
+
+    def _allocate_stash(self, hidden: torch.Tensor) -> None:
+        self.stash = torch.empty(self.states.max_num_seqs, self.stash_positions, hidden.shape[1],
+                                 dtype=hidden.dtype, device=self.device)
 
     def _mtp_pass(self, batch: InputBatch, hidden: torch.Tensor, n_valid: np.ndarray, rows: np.ndarray,
                   accepted: list[list[int]]) -> tuple[torch.Tensor, StepLayout]:

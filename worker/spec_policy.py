@@ -69,16 +69,14 @@ class RecentMedian:
     size: int = 9
     samples: deque = field(default_factory=deque)  # (stamp, seconds)
     count: int = 0
+    value: float = 0.0  # the median, kept up to date (the policy reads it several times a step)
 
     def update(self, stamp: int, x: float) -> None:
         self.samples.append((stamp, x))
         if len(self.samples) > self.size:
             self.samples.popleft()
         self.count += 1
-
-    @property
-    def value(self) -> float:
-        return statistics.median(x for _, x in self.samples) if self.samples else 0.0
+        self.value = statistics.median(x for _, x in self.samples)
 
 
 @dataclass
