@@ -209,6 +209,45 @@ def test_resuming_drafting_near_break_even_takes_a_wider_margin():
     assert policy.best_k(16, extra=policy.resume_margin) == 0
 
 
+@pytest.mark.parametrize("draft_ms, held_share", [(8.37, 0.0), (15.0, 0.7)])
+def test_a_held_k0_decision_decides_as_re_evaluating_every_step_would(draft_ms, held_share, monkeypatch):
+    """Under load k=0 wins every step, and re-evaluating the estimates each step cost ~1% of a big
+    batch's step: a k=0 decision stands for `hold_decisions` decisions. It still takes every due
+    re-measurement at the same step as re-evaluating would, and resumes drafting as soon as the
+    backfill pending drops (which lowers the margin drafting must win by): with draft steps of
+    8.37 ms k=2 wins by 1.12x, which is enough only without the resume margin (nothing is held);
+    at 15 ms drafting clearly loses (most decisions are held)."""
+    def drive(policy: SpecPolicy) -> list[int]:
+        chosen, k_prev = [], None
+        for step in range(3000):
+            pending = 16 * (2 if step % 97 < 10 else 50)  # now and then little backfill pending
+            k = policy.choose(16, pending=pending)
+            if k_prev == k:
+                policy.record_step(16, k, [5.0, draft_ms, draft_ms][k] * (1 + 0.1 * (step % 7 == 0)) / 1e3)
+            if k:  # acceptance 0.5 at draft 1, 0.75 at draft 2: E(2) = 1.875
+                policy.record_acceptance([k] * 8, [min(k, a) for a in (2, 2, 2, 1, 0, 0, 0, 0)])
+            chosen.append(k)
+            k_prev = k
+        return chosen
+
+    held, evaluated = SpecPolicy(2, prune=0.0), SpecPolicy(2, prune=0.0, hold_decisions=0)
+    calls = {"held": 0, "evaluated": 0}
+    estimates = SpecPolicy.cost_estimates
+
+    def counted(self, *a, **kw):
+        calls["held" if self is held else "evaluated"] += 1
+        return estimates(self, *a, **kw)
+
+    monkeypatch.setattr(SpecPolicy, "cost_estimates", counted)
+    decisions = drive(held)
+    assert decisions == drive(evaluated)
+    assert decisions.count(0) > 1000
+    if held_share:
+        assert calls["held"] < (1 - held_share) * calls["evaluated"]
+    else:
+        assert decisions.count(2) > 100  # resumed in the windows of little backfill
+
+
 # ----------------------------------------------------------------- min_tokens inside a verify window
 
 

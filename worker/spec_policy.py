@@ -112,6 +112,17 @@ class Exploration:
 
 
 @dataclass
+class Held:
+    """A k=0 decision kept for a few decisions of its bucket without re-evaluating the estimates
+    (which cost ~1% of a big batch's step), unless the re-measurement it was waiting for falls due."""
+
+    bucket: BucketKey
+    until: int                        # the bucket's decision counter up to which it holds
+    stale: int                        # the k whose re-measurement is next
+    interval: int
+
+
+@dataclass
 class SpecPolicy:
     num_spec: int
     mode: SpecPolicyMode = SpecPolicyMode.ADAPTIVE
@@ -131,11 +142,13 @@ class SpecPolicy:
     thin_acceptance: int = 64         # drafts verified at position 1 below which re-measuring does not back off
     surprise: float = 0.25            # re-measure a k in use whose recent median is this far off its estimate
     resume_margin: float = 0.1        # added to the margin while the rows have much backfill pending
+    hold_decisions: int = 8           # a k=0 decision stands this many decisions (see Held)
     acceptance: list[Ewma] = field(default_factory=list)
     buckets: dict[BucketKey, BucketCosts] = field(default_factory=dict)
     overhead: Ewma = field(default_factory=lambda: Ewma(0.0))
     chosen_k_counts: list[int] = field(default_factory=list)  # decisions per k (exported as a metric)
     _exploration: Exploration | None = None
+    _held: Held | None = None
     # Per bucket, every bucket nearest first (see _nearest); rebuilt when a bucket is added.
     _order: dict[BucketKey, list[BucketKey]] = field(default_factory=dict)
 
@@ -147,6 +160,7 @@ class SpecPolicy:
 
     def record_acceptance(self, num_drafts: list[int], num_accepted: list[int]) -> None:
         """One verify step: row r verified num_drafts[r] drafts and accepted num_accepted[r]."""
+        self._held = None
         for i in range(self.num_spec):
             seen = [m > i for k, m in zip(num_drafts, num_accepted) if k > i and m >= i]
             if not seen:
@@ -199,6 +213,11 @@ class SpecPolicy:
         e = self._exploration
         if e is not None and e.bucket == bucket and e.plan:
             return e.plan.pop(0)
+        held = self._held
+        if e is None and held is not None and held.bucket == bucket and costs.decisions <= held.until \
+                and not self._due(costs, held.stale, held.interval, pending, batch_size):
+            return 0
+        self._held = None
         if e is not None:
             self._finish(e)
         estimates = self.cost_estimates(bucket)
@@ -231,8 +250,7 @@ class SpecPolicy:
         # MTP layer at their previous batch size), wait for a moment with little backfill to pay
         # (new rows, a flush), up to 4 intervals.
         little = pending <= self.backfill_per_row * batch_size
-        overdue = costs.decisions - costs.last_measured[stale]
-        due = overdue > interval and (little or overdue > 4 * interval)
+        due = self._due(costs, stale, interval, pending, batch_size)
         # Resuming drafting first pays the backfill of every skipped position: with much of it
         # pending, drafting must win by `resume_margin` more (near break-even, the decision would
         # flip with the noise and pay a backfill at each flip).
@@ -250,10 +268,21 @@ class SpecPolicy:
             before = None if warm else best
             self._exploration = Exploration(bucket, k, plan, before)
             return k
+        # (Held only when k=0 wins without the resume margin too: else a drop in pending resumes at once.)
+        if not best and not unmeasured and (little or not self.best_k(bucket, estimates)):
+            self._held = Held(bucket, costs.decisions + self.hold_decisions, stale, interval)
         return best
+
+    def _due(self, costs: BucketCosts, stale: int, interval: int, pending: int, batch_size: int) -> bool:
+        """Whether re-measuring `stale` is due: overdue, and a moment with little backfill to pay
+        (or overdue by 4 intervals)."""
+        overdue = costs.decisions - costs.last_measured[stale]
+        little = pending <= self.backfill_per_row * batch_size
+        return overdue > interval and (little or overdue > 4 * interval)
 
     def _finish(self, e: Exploration) -> None:
         """Record a finished (or abandoned: the batch moved on) measurement's ratio C(k)/C(0)."""
+        self._held = None
         if e.k and e.timed_k and e.timed_0:
             ratio = statistics.median(e.timed_k) / statistics.median(e.timed_0)
             explored = self.buckets[e.bucket]
