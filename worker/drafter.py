@@ -57,7 +57,7 @@ class MTPDrafter:
     def propose(self, batch: InputBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,
                 draft_meta: DraftMetadataFn) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
-        if not k and self.kv_tap is None and self._steady(batch) and self._stash_one_each(batch, hidden):
+        if not k and self.kv_tap is None and batch.steady and self._stash_one_each(batch, hidden):
             # The common k=0 step under load (one position per row, nothing to hand over or verify):
             # stashed without the general bookkeeping below, which cost a few percent of such a step.
             self.flushed = False
@@ -116,12 +116,6 @@ class MTPDrafter:
             self.stash[slot, have : have + n] = hidden[qsl[row] : qsl[row] + n]
             pending[slot] = have + n
         return overflow
-
-    @staticmethod
-    def _steady(batch: InputBatch) -> bool:
-        """Every row decodes one token, verifies nothing and samples (n_valid is 1 everywhere)."""
-        return len(batch.slots) == int(batch.layout.query_start_loc[-1]) and not batch.num_drafts.any() \
-            and bool(batch.samples.all()) and not batch.is_prefilling.any()
 
     def _stash_one_each(self, batch: InputBatch, hidden: torch.Tensor) -> bool:
         """Stash the one hidden state of every row of a steady step; False (nothing stashed) when

@@ -47,6 +47,12 @@ class InputBatch:
     is_prefilling: np.ndarray  # [B] bool, from num_computed vs prefill_len (I5)
     samples: np.ndarray        # [B] bool, rows that produce tokens this step
 
+    def __post_init__(self) -> None:
+        # A plain decode step: every row computes one token (so verifies no drafts) of a finished
+        # prompt, and samples. Most steps under load are; asked several times a step.
+        self.steady = (len(self.slots) == int(self.layout.query_start_loc[-1]) and not self.is_prefilling.any()
+                       and bool(self.samples.all()))
+
     def num_valid(self, accepted: list[list[int]]) -> np.ndarray:
         """Per row, the leading positions of this step whose KV is now valid: all of a prefill
         chunk; for a verify row the kept ones (accepted drafts and the position of the bonus)."""

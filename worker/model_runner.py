@@ -128,7 +128,7 @@ class ModelRunner:
             self.drafter.kv_tap = step_tap  # the MTP layers' KV of the chunk is reported too
             k = self._choose_num_drafts(batch, accepted)
             drafts = self.drafter.propose(batch, hidden, accepted, k, self._draft_metadata)
-            if k or batch.num_drafts.any():  # else nothing was verified or proposed: no buffer to update
+            if k or not batch.steady:  # else nothing was verified or proposed: no buffer to update
                 self._store_drafts(batch, drafts)
             self._time_step(batch, k, start)
         return RunnerOutput(batch.req_ids, accepted, drafts, logprobs, prompt_logprobs)
@@ -298,12 +298,14 @@ class ModelRunner:
     # -- speculation policy --------------------------------------------------------------
 
     def _choose_num_drafts(self, batch: InputBatch, accepted: list[list[int]]) -> int:
-        verified = np.nonzero(batch.samples & (batch.num_drafts > 0))[0]
-        if len(verified):
-            self.spec_policy.record_acceptance(batch.num_drafts[verified].tolist(),
-                                               [len(accepted[r]) - 1 for r in verified.tolist()])
+        if not batch.steady:
+            verified = np.nonzero(batch.samples & (batch.num_drafts > 0))[0]
+            if len(verified):
+                self.spec_policy.record_acceptance(batch.num_drafts[verified].tolist(),
+                                                   [len(accepted[r]) - 1 for r in verified.tolist()])
         pending = int(self.states.mtp_pending[batch.slots].sum()) if isinstance(self.drafter, MTPDrafter) else 0
-        return self.spec_policy.choose(int(batch.samples.sum()), pending, self._sampled_step)
+        rows = len(batch.slots) if batch.steady else int(batch.samples.sum())
+        return self.spec_policy.choose(rows, pending, self._sampled_step)
 
     def _time_step(self, batch: InputBatch, k: int, start: float) -> None:
         """Feed the cost model: steady-state decode steps only (every row verified k drafts and
@@ -312,8 +314,11 @@ class ModelRunner:
         if self._last_step_end is not None and start - self._last_step_end < 0.05:
             self.spec_policy.record_overhead(start - self._last_step_end)
         self._last_step_end = end
-        steady = (batch.samples.all() and not batch.is_prefilling.any() and (batch.num_drafts == k).all()
-                  and not self.drafter.flushed)
+        if k:
+            steady = (batch.samples.all() and not batch.is_prefilling.any() and (batch.num_drafts == k).all()
+                      and not self.drafter.flushed)
+        else:
+            steady = batch.steady and not self.drafter.flushed
         if steady:
             self.spec_policy.record_step(len(batch.slots), k, end - start, self._sampled_step)
 
