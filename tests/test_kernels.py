@@ -24,7 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # running as a script from the subprocess
     sys.path.insert(0, str(REPO_ROOT))
 
-from worker import kernels  # noqa: E402
+from worker import fused_ops, kernels  # noqa: E402
 
 I32 = torch.int32
 
@@ -162,7 +162,7 @@ def make_inputs(case_id: str) -> dict[str, torch.Tensor]:
 
 
 def run_kernel(kind: str, fn_name_suffix: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Run a kernel variant (``""`` = public dispatcher, ``"_torch"``) on copies."""
+    """Run a kernel variant (``""`` = public dispatcher, ``"_torch"``, ``"_cpp"``) on copies."""
     data = {k: v.clone() for k, v in inputs.items()}
     name = {"gather": "gather_prefill_tokens", "combine": "combine_sampled_and_draft_tokens",
             "post": "post_step_update"}[kind]
@@ -365,6 +365,36 @@ def test_precondition_violations_are_clamped_identically(case_id: str, triton_re
     ref = run_kernel(kind, "_torch", inputs)
     _assert_confined(kind, inputs, ref)
     _assert_equal(triton_results[case_id], ref, f"{case_id} triton vs torch")
+
+
+@pytest.mark.parametrize("case_id", sorted(set(CASES) | set(OVERFLOW_CASES)))
+def test_cpp_matches_oracle_and_torch(case_id: str) -> None:
+    """The C++ loops the engine runs on CPU: the oracle's results, and the torch reference's
+    clamping where a precondition is violated."""
+    kind = (CASES.get(case_id) or OVERFLOW_CASES[case_id])[0]
+    inputs = make_inputs(case_id)
+    got = run_kernel(kind, "_cpp", inputs)
+    _assert_equal(got, run_kernel(kind, "_torch", inputs), f"{case_id} cpp vs torch")
+    if case_id in CASES:
+        _assert_equal(got, oracle(kind, inputs), f"{case_id} cpp vs oracle")
+    _assert_confined(kind, inputs, got)
+
+
+def test_public_dispatch_on_cpu_uses_cpp_for_int32_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDSERVE_USE_TRITON", raising=False)
+    assert fused_ops.enable()
+    assert kernels.select_backend(torch.zeros(2, dtype=I32)) == "cpp"
+    assert kernels.select_backend(torch.zeros(2, dtype=I32), torch.zeros(2)) == "torch"  # not all int32
+    assert kernels.select_backend(torch.zeros(2, 2, dtype=I32).t()) == "torch"           # not contiguous
+    monkeypatch.setenv("PDSERVE_USE_TRITON", "0")
+    assert kernels.select_backend(torch.zeros(2, dtype=I32)) == "cpp"
+
+
+def test_cpp_refuses_a_slot_outside_the_tables() -> None:
+    inputs = make_inputs("post-B8-M4")
+    inputs["idx_mapping"][0] = inputs["all_token_ids"].shape[0]
+    with pytest.raises(RuntimeError, match="is not a slot"):
+        run_kernel("post", "_cpp", inputs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to run the compiled Triton kernels")

@@ -1,4 +1,5 @@
-"""RMSNorm and rotary embedding as one op each on the CPU, and an argmax (`worker/csrc/fused_ops.cpp`).
+"""RMSNorm and rotary embedding as one op each on the CPU, and an argmax (`worker/csrc/fused_ops.cpp`);
+the same library holds the C++ token-bookkeeping kernels that worker/kernels.py dispatches to.
 
 A decode step on a CPU is a few rows, so the decoder layer's elementwise work costs what its
 dispatches cost: RMSNorm alone is seven torch ops. And torch's CPU argmax over the vocabulary
@@ -30,6 +31,11 @@ def enable() -> bool:
     if not _enabled and os.environ.get("PDSERVE_FUSED_OPS", "1") not in ("0", "false"):
         _enabled = cpp_build.build("fused_ops.cpp", CFLAGS, "fused elementwise ops")
     return _enabled
+
+
+def ints_on_cpu(*tensors: torch.Tensor) -> bool:
+    """Whether the C++ token-bookkeeping ops (worker/kernels.py) take these: contiguous int32 CPU tensors."""
+    return _enabled and all(t.dtype == torch.int32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
 def _fused(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:

@@ -46,6 +46,8 @@ import os
 
 import torch
 
+from worker import fused_ops
+
 logger = logging.getLogger(__name__)
 
 try:  # Guarded: a box without Triton still imports this module and uses torch.
@@ -70,6 +72,9 @@ __all__ = [
     "gather_prefill_tokens_triton",
     "combine_sampled_and_draft_tokens_triton",
     "post_step_update_triton",
+    "gather_prefill_tokens_cpp",
+    "combine_sampled_and_draft_tokens_cpp",
+    "post_step_update_cpp",
 ]
 
 _USE_TRITON_ENV = "PDSERVE_USE_TRITON"
@@ -80,18 +85,20 @@ _warned_no_triton = False
 # Dispatch
 # --------------------------------------------------------------------------- #
 def select_backend(*tensors: torch.Tensor) -> str:
-    """Return ``"triton"`` or ``"torch"`` for a call on ``tensors``.
+    """Return ``"triton"``, ``"cpp"`` or ``"torch"`` for a call on ``tensors``.
 
-    The env var is read on every call (cheap) so tests and operators can flip
-    it without re-importing the module.
+    ``"cpp"``: CPU int32 tensors while the C++ ops are in use (worker/fused_ops.py; the engine
+    enables them at start), the Triton kernels' loops in C++. The env var is read on every call
+    (cheap) so tests and operators can flip it without re-importing the module.
     """
     global _warned_no_triton
     flag = os.environ.get(_USE_TRITON_ENV, "").strip()
+    cpp = "cpp" if fused_ops.ints_on_cpu(*tensors) else "torch"
     if flag == "0":
-        return "torch"
+        return cpp
     wants_triton = flag == "1" or any(t.is_cuda for t in tensors)
     if not wants_triton:
-        return "torch"
+        return cpp
     if not HAS_TRITON:
         if not _warned_no_triton:
             logger.warning("Triton is not importable; worker kernels fall back to torch.")
@@ -117,8 +124,13 @@ def gather_prefill_tokens(
     Shapes: ``input_ids [T]``, ``all_token_ids [S, L]``, ``idx_mapping [B]``,
     ``query_start_loc [B+1]``, ``num_computed_tokens [B]``, ``is_prefilling [B]`` (bool).
     """
-    if select_backend(input_ids, all_token_ids) == "triton":
+    backend = select_backend(input_ids, all_token_ids, idx_mapping, query_start_loc, num_computed_tokens)
+    if backend == "triton":
         gather_prefill_tokens_triton(
+            input_ids, all_token_ids, idx_mapping, query_start_loc, num_computed_tokens, is_prefilling
+        )
+    elif backend == "cpp":
+        gather_prefill_tokens_cpp(
             input_ids, all_token_ids, idx_mapping, query_start_loc, num_computed_tokens, is_prefilling
         )
     else:
@@ -147,8 +159,15 @@ def combine_sampled_and_draft_tokens(
     ``num_draft_tokens [B]``, ``idx_mapping [B]``, ``query_start_loc [B+1]``,
     ``is_prefilling [B]`` (bool).
     """
-    if select_backend(input_ids, draft_tokens) == "triton":
+    backend = select_backend(input_ids, last_sampled_tokens, draft_tokens, num_draft_tokens, idx_mapping,
+                             query_start_loc)
+    if backend == "triton":
         combine_sampled_and_draft_tokens_triton(
+            input_ids, last_sampled_tokens, draft_tokens, num_draft_tokens,
+            idx_mapping, query_start_loc, is_prefilling,
+        )
+    elif backend == "cpp":
+        combine_sampled_and_draft_tokens_cpp(
             input_ids, last_sampled_tokens, draft_tokens, num_draft_tokens,
             idx_mapping, query_start_loc, is_prefilling,
         )
@@ -178,8 +197,14 @@ def post_step_update(
     Shapes: ``all_token_ids [S, L]``, ``total_len [S]``, ``last_sampled_tokens [S]``,
     ``sampled_token_ids [B, M]``, ``num_sampled [B]``, ``idx_mapping [B]``.
     """
-    if select_backend(all_token_ids, sampled_token_ids) == "triton":
+    backend = select_backend(all_token_ids, total_len, last_sampled_tokens, sampled_token_ids, num_sampled,
+                             idx_mapping)
+    if backend == "triton":
         post_step_update_triton(
+            all_token_ids, total_len, last_sampled_tokens, sampled_token_ids, num_sampled, idx_mapping
+        )
+    elif backend == "cpp":
+        post_step_update_cpp(
             all_token_ids, total_len, last_sampled_tokens, sampled_token_ids, num_sampled, idx_mapping
         )
     else:
@@ -297,6 +322,39 @@ def post_step_update_torch(
     last_sampled_tokens[slots] = torch.where(
         n > 0, last.to(last_sampled_tokens.dtype), last_sampled_tokens[slots]
     )
+
+
+# --------------------------------------------------------------------------- #
+# C++ implementations (CPU; worker/csrc/fused_ops.cpp)
+# --------------------------------------------------------------------------- #
+def _require_cpp() -> None:
+    if not fused_ops.enable():
+        raise RuntimeError("the C++ ops are not available; use the *_torch implementations")
+
+
+def gather_prefill_tokens_cpp(input_ids, all_token_ids, idx_mapping, query_start_loc, num_computed_tokens,
+                              is_prefilling) -> None:
+    """C++ implementation of :func:`gather_prefill_tokens`."""
+    _require_cpp()
+    torch.ops.pdserve_fused.gather_prefill_tokens(input_ids, all_token_ids, idx_mapping, query_start_loc,
+                                                  num_computed_tokens, is_prefilling.bool())
+
+
+def combine_sampled_and_draft_tokens_cpp(input_ids, last_sampled_tokens, draft_tokens, num_draft_tokens,
+                                         idx_mapping, query_start_loc, is_prefilling) -> None:
+    """C++ implementation of :func:`combine_sampled_and_draft_tokens`."""
+    _require_cpp()
+    torch.ops.pdserve_fused.combine_sampled_and_draft_tokens(input_ids, last_sampled_tokens, draft_tokens,
+                                                             num_draft_tokens, idx_mapping, query_start_loc,
+                                                             is_prefilling.bool())
+
+
+def post_step_update_cpp(all_token_ids, total_len, last_sampled_tokens, sampled_token_ids, num_sampled,
+                         idx_mapping) -> None:
+    """C++ implementation of :func:`post_step_update`."""
+    _require_cpp()
+    torch.ops.pdserve_fused.post_step_update(all_token_ids, total_len, last_sampled_tokens, sampled_token_ids,
+                                             num_sampled, idx_mapping)
 
 
 # --------------------------------------------------------------------------- #

@@ -1,4 +1,5 @@
-// Fused elementwise ops of the decoder layer on the CPU (fp32; RMSNorm in bf16 too), and argmax.
+// Fused elementwise ops of the decoder layer on the CPU (fp32; RMSNorm in bf16 too), argmax, and
+// the step's token bookkeeping (at the end of the file).
 //
 // At decode a step is a handful of rows, so what an op costs is mostly its dispatch: RMSNorm is
 // seven torch ops (pow, mean, add, rsqrt, two muls, a cast), rotary embedding six. Each of these
@@ -164,16 +165,127 @@ at::Tensor argmax(const at::Tensor& logits) {
   return out;
 }
 
+// ---- A step's token bookkeeping (worker/kernels.py): the Triton kernels' per-row loops, for CPU
+// tensors. The torch references are vectorised over every token of the step (~20 ops each), which
+// at decode cost more than the whole rest of the runner's host work; here one pass over the rows.
+// Same clamps as those: a bad step can lose tokens, never write outside its row or slot.
+
+void check_i32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kInt && t.is_contiguous(), name,
+              " must be a contiguous int32 CPU tensor");
+}
+
+// A slot outside the tables would be a write anywhere in memory (torch raises an IndexError there).
+void check_slots(const at::Tensor& idx_mapping, int64_t num_slots) {
+  const int32_t* slot = idx_mapping.data_ptr<int32_t>();
+  for (int64_t b = 0; b < idx_mapping.numel(); ++b)
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "idx_mapping[", b, "] = ", slot[b], " is not a slot");
+}
+
+void check_rows(const at::Tensor& idx_mapping, const at::Tensor& is_prefilling, const at::Tensor& qsl) {
+  check_i32(idx_mapping, "idx_mapping");
+  check_i32(qsl, "query_start_loc");
+  TORCH_CHECK(is_prefilling.device().is_cpu() && is_prefilling.scalar_type() == at::kBool &&
+                  is_prefilling.is_contiguous() && is_prefilling.numel() == idx_mapping.numel() &&
+                  qsl.numel() == idx_mapping.numel() + 1,
+              "is_prefilling [B] bool and query_start_loc [B+1] must match idx_mapping [B]");
+}
+
+void gather_prefill_tokens(at::Tensor input_ids, const at::Tensor& all_token_ids, const at::Tensor& idx_mapping,
+                           const at::Tensor& query_start_loc, const at::Tensor& num_computed,
+                           const at::Tensor& is_prefilling) {
+  check_i32(input_ids, "input_ids");
+  check_i32(all_token_ids, "all_token_ids");
+  check_i32(num_computed, "num_computed_tokens");
+  check_rows(idx_mapping, is_prefilling, query_start_loc);
+  check_slots(idx_mapping, all_token_ids.size(0));
+  const int64_t rows = idx_mapping.numel(), tokens = input_ids.numel(), len = all_token_ids.size(1);
+  int32_t* dst = input_ids.data_ptr<int32_t>();
+  const int32_t* table = all_token_ids.data_ptr<int32_t>();
+  const int32_t *slot = idx_mapping.data_ptr<int32_t>(), *qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* computed = num_computed.data_ptr<int32_t>();
+  const bool* prefilling = is_prefilling.data_ptr<bool>();
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t start = qsl[b], c = computed[b];
+    const int64_t n = std::min({int64_t(qsl[b + 1]) - start, len - c, tokens - start});
+    if (!prefilling[b] || n <= 0 || start < 0 || c < 0) continue;
+    std::copy_n(table + int64_t(slot[b]) * len + c, n, dst + start);
+  }
+}
+
+void combine_sampled_and_draft_tokens(at::Tensor input_ids, const at::Tensor& last_sampled_tokens,
+                                      const at::Tensor& draft_tokens, const at::Tensor& num_draft_tokens,
+                                      const at::Tensor& idx_mapping, const at::Tensor& query_start_loc,
+                                      const at::Tensor& is_prefilling) {
+  check_i32(input_ids, "input_ids");
+  check_i32(last_sampled_tokens, "last_sampled_tokens");
+  check_i32(draft_tokens, "draft_tokens");
+  check_i32(num_draft_tokens, "num_draft_tokens");
+  check_rows(idx_mapping, is_prefilling, query_start_loc);
+  check_slots(idx_mapping, std::min(last_sampled_tokens.numel(), draft_tokens.size(0)));
+  const int64_t rows = idx_mapping.numel(), tokens = input_ids.numel(), k_max = draft_tokens.size(1);
+  int32_t* dst = input_ids.data_ptr<int32_t>();
+  const int32_t *last = last_sampled_tokens.data_ptr<int32_t>(), *drafts = draft_tokens.data_ptr<int32_t>();
+  const int32_t *num_drafts = num_draft_tokens.data_ptr<int32_t>(), *slot = idx_mapping.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const bool* prefilling = is_prefilling.data_ptr<bool>();
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t start = qsl[b], n = std::min(int64_t(qsl[b + 1]) - start, tokens - start);
+    if (prefilling[b] || n <= 0 || start < 0) continue;
+    const int64_t s = slot[b];
+    dst[start] = last[s];
+    const int64_t k = std::min({int64_t(num_drafts[b]), n - 1, k_max});
+    for (int64_t j = 0; j < k; ++j) dst[start + 1 + j] = drafts[s * k_max + j];
+  }
+}
+
+void post_step_update(at::Tensor all_token_ids, at::Tensor total_len, at::Tensor last_sampled_tokens,
+                      const at::Tensor& sampled_token_ids, const at::Tensor& num_sampled,
+                      const at::Tensor& idx_mapping) {
+  check_i32(all_token_ids, "all_token_ids");
+  check_i32(total_len, "total_len");
+  check_i32(last_sampled_tokens, "last_sampled_tokens");
+  check_i32(sampled_token_ids, "sampled_token_ids");
+  check_i32(num_sampled, "num_sampled");
+  check_i32(idx_mapping, "idx_mapping");
+  TORCH_CHECK(sampled_token_ids.dim() == 2 && sampled_token_ids.size(0) == idx_mapping.numel() &&
+                  num_sampled.numel() == idx_mapping.numel(),
+              "sampled_token_ids [B, M] and num_sampled [B] must match idx_mapping [B]");
+  check_slots(idx_mapping, std::min({all_token_ids.size(0), total_len.numel(), last_sampled_tokens.numel()}));
+  const int64_t rows = idx_mapping.numel(), width = sampled_token_ids.size(1), len = all_token_ids.size(1);
+  int32_t *table = all_token_ids.data_ptr<int32_t>(), *total = total_len.data_ptr<int32_t>();
+  int32_t* last = last_sampled_tokens.data_ptr<int32_t>();
+  const int32_t *sampled = sampled_token_ids.data_ptr<int32_t>(), *num = num_sampled.data_ptr<int32_t>();
+  const int32_t* slot = idx_mapping.data_ptr<int32_t>();
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t s = slot[b], start = total[s];
+    const int64_t n = std::max<int64_t>(0, std::min({int64_t(num[b]), width, len - start}));
+    if (n == 0) continue;  // a mid-prefill chunk: the slot stays exactly as it was
+    std::copy_n(sampled + b * width, n, table + s * len + start);
+    total[s] = int32_t(start + n);
+    last[s] = sampled[b * width + n - 1];
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_fused, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("argmax(Tensor logits) -> Tensor");
+  m.def("gather_prefill_tokens(Tensor(a!) input_ids, Tensor all_token_ids, Tensor idx_mapping, "
+        "Tensor query_start_loc, Tensor num_computed_tokens, Tensor is_prefilling) -> ()");
+  m.def("combine_sampled_and_draft_tokens(Tensor(a!) input_ids, Tensor last_sampled_tokens, Tensor draft_tokens, "
+        "Tensor num_draft_tokens, Tensor idx_mapping, Tensor query_start_loc, Tensor is_prefilling) -> ()");
+  m.def("post_step_update(Tensor(a!) all_token_ids, Tensor(b!) total_len, Tensor(c!) last_sampled_tokens, "
+        "Tensor sampled_token_ids, Tensor num_sampled, Tensor idx_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_fused, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);
   m.impl("argmax", &argmax);
+  m.impl("gather_prefill_tokens", &gather_prefill_tokens);
+  m.impl("combine_sampled_and_draft_tokens", &combine_sampled_and_draft_tokens);
+  m.impl("post_step_update", &post_step_update);
 }
