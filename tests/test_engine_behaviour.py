@@ -171,3 +171,31 @@ def test_config_errors_are_clear(checkpoints, tmp_path):
         EngineCore(EngineConfig(model=str(tmp_path)))
     with pytest.raises(ValueError, match="num_kv_blocks"):
         EngineCore(EngineConfig(model=str(checkpoints["qwen2"]), num_kv_blocks=2, max_model_len=256))
+
+
+def test_plain_greedy_batches_take_the_argmax_fast_path(qwen2_llm, references, monkeypatch):
+    """A decode step of plain greedy rows skips the per-position sampling metadata; rows that need
+    it (min_tokens not reached, logprobs, penalties) take the general path, and the tokens are
+    transformers' greedy tokens either way."""
+    runner = qwen2_llm.engine.runner
+    general = {"steps": 0}
+    metadata = runner._position_metadata
+
+    def counted(*a, **kw):
+        general["steps"] += 1
+        return metadata(*a, **kw)
+
+    monkeypatch.setattr(runner, "_position_metadata", counted)
+    prompts = random_prompts(3, 6, 12, VOCAB, 31)
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = qwen2_llm.generate(prompts, plain)
+    assert [o.token_ids for o in outs] == [references["qwen2"].generate(p, 12)[0] for p in prompts]
+    assert general["steps"] == 1  # the prefill step only: every decode step took the fast path
+
+    general["steps"] = 0
+    late = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=5, ignore_eos=True)
+    assert qwen2_llm.generate(prompts[:1], late)[0].token_ids == outs[0].token_ids
+    assert general["steps"] == 5  # while min_tokens holds EOS back: the general path
+    general["steps"] = 0
+    qwen2_llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, logprobs=1, ignore_eos=True))
+    assert general["steps"] == 4

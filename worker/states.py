@@ -12,6 +12,7 @@ import torch
 
 from engine.types import SamplingParams
 from scheduler.output import CachedRequestData, NewRequestData
+from worker.sampler import GREEDY_TEMPERATURE_EPS
 
 
 class RequestStates:
@@ -37,6 +38,10 @@ class RequestStates:
         self.num_blocks = np.zeros(s, i32)
         self.sampling_params: list[SamplingParams | None] = [None] * s
         self.computes_prompt_logprobs = np.zeros(s, bool)  # the scheduler's per-admission choice
+        # Sampling is the argmax of the raw logits (greedy; no penalties, grammar or logprobs), once
+        # the output is min_tokens long: the runner's fast path for whole batches of such rows.
+        self.plain_greedy = np.zeros(s, bool)
+        self.min_tokens = np.zeros(s, i32)
         # Per slot: the seed that keys the randomness of each output position (DESIGN.md §4): the
         # request's own, or for an unseeded request one drawn at admission from this instance's
         # stream (`noise_seed` differs between engine instances, so P and D never share noise).
@@ -89,6 +94,9 @@ class RequestStates:
         params = new.sampling_params
         self.sampling_params[slot] = params
         self.computes_prompt_logprobs[slot] = new.compute_prompt_logprobs
+        self.plain_greedy[slot] = (params.temperature < GREEDY_TEMPERATURE_EPS and not params.needs_penalties
+                                   and params.grammar is None and params.logprobs is None)
+        self.min_tokens[slot] = params.min_tokens
         self.seeds[slot] = params.seed if params.seed is not None else self._unseeded.getrandbits(63)
         return slot
 
