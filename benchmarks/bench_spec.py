@@ -97,15 +97,17 @@ def interleaved_round(contenders: list[Contender], prompts: list[list[int]], par
         for c in list(order):
             engine, flight = c.llm.engine, flights[c.label]
             turn_end = time.perf_counter() + TURN_SECONDS
-            while engine.has_unfinished() and time.perf_counter() < turn_end:
+            while engine.has_unfinished():  # (a turn is at least one step)
                 start = time.perf_counter()
                 updates = engine.step()
                 seconds = time.perf_counter() - start
                 if flight.waiting:
                     flight.waiting -= {u.req_id for u in updates if u.new_token_ids}
-                    continue
-                flight.decoded += sum(len(u.new_token_ids) for u in updates)
-                flight.seconds += seconds
+                else:
+                    flight.decoded += sum(len(u.new_token_ids) for u in updates)
+                    flight.seconds += seconds
+                if start + seconds >= turn_end:
+                    break
             if not engine.has_unfinished():
                 c.runs.append((flight.decoded, flight.seconds))
                 order.remove(c)
