@@ -213,9 +213,7 @@ class SpecPolicy:
         e = self._exploration
         if e is not None and e.bucket == bucket and e.plan:
             return e.plan.pop(0)
-        held = self._held
-        if e is None and held is not None and held.bucket == bucket and costs.decisions <= held.until \
-                and not self._due(costs, held.stale, held.interval, pending, batch_size):
+        if e is None and self._holds(bucket, costs, pending, batch_size):
             return 0
         self._held = None
         if e is not None:
@@ -260,18 +258,26 @@ class SpecPolicy:
         warm = bool(unmeasured) and settled and (unmeasured[0] == 0 or little
                                                  or costs.decisions > self.settle_decisions + 4 * interval)
         if warm or due:
-            k = unmeasured[0] if warm else stale
-            costs.explorations += 1
-            # Hold k (its first step is a transition, not timed), then k=0 right after, for the ratio.
-            plan = [k] * self.hold_steps + ([0] * (self.hold_steps + 1) if k else [])
-            costs.last_measured[k] = costs.last_measured[0] = costs.decisions
-            before = None if warm else best
-            self._exploration = Exploration(bucket, k, plan, before)
-            return k
+            return self._explore(bucket, costs, unmeasured[0] if warm else stale, None if warm else best)
         # (Held only when k=0 wins without the resume margin too: else a drop in pending resumes at once.)
         if not best and not unmeasured and (little or not self.best_k(bucket, estimates)):
             self._held = Held(bucket, costs.decisions + self.hold_decisions, stale, interval)
         return best
+
+    def _holds(self, bucket: BucketKey, costs: BucketCosts, pending: int, batch_size: int) -> bool:
+        """Whether the held k=0 decision (if any) still stands for this decision of `bucket`."""
+        held = self._held
+        return (held is not None and held.bucket == bucket and costs.decisions <= held.until
+                and not self._due(costs, held.stale, held.interval, pending, batch_size))
+
+    def _explore(self, bucket: BucketKey, costs: BucketCosts, k: int, before: int | None) -> int:
+        """Start measuring k at `bucket`: hold k (its first step is a transition, not timed), then
+        k=0 right after, for the ratio; `before`: the decision a re-measurement may confirm."""
+        costs.explorations += 1
+        plan = [k] * self.hold_steps + ([0] * (self.hold_steps + 1) if k else [])
+        costs.last_measured[k] = costs.last_measured[0] = costs.decisions
+        self._exploration = Exploration(bucket, k, plan, before)
+        return k
 
     def _due(self, costs: BucketCosts, stale: int, interval: int, pending: int, batch_size: int) -> bool:
         """Whether re-measuring `stale` is due: overdue, and a moment with little backfill to pay
