@@ -125,18 +125,9 @@ def gather_prefill_tokens(
     ``query_start_loc [B+1]``, ``num_computed_tokens [B]``, ``is_prefilling [B]`` (bool).
     """
     backend = select_backend(input_ids, all_token_ids, idx_mapping, query_start_loc, num_computed_tokens)
-    if backend == "triton":
-        gather_prefill_tokens_triton(
-            input_ids, all_token_ids, idx_mapping, query_start_loc, num_computed_tokens, is_prefilling
-        )
-    elif backend == "cpp":
-        gather_prefill_tokens_cpp(
-            input_ids, all_token_ids, idx_mapping, query_start_loc, num_computed_tokens, is_prefilling
-        )
-    else:
-        gather_prefill_tokens_torch(
-            input_ids, all_token_ids, idx_mapping, query_start_loc, num_computed_tokens, is_prefilling
-        )
+    _implementation("gather_prefill_tokens", backend)(
+        input_ids, all_token_ids, idx_mapping, query_start_loc, num_computed_tokens, is_prefilling
+    )
 
 
 def combine_sampled_and_draft_tokens(
@@ -161,21 +152,9 @@ def combine_sampled_and_draft_tokens(
     """
     backend = select_backend(input_ids, last_sampled_tokens, draft_tokens, num_draft_tokens, idx_mapping,
                              query_start_loc)
-    if backend == "triton":
-        combine_sampled_and_draft_tokens_triton(
-            input_ids, last_sampled_tokens, draft_tokens, num_draft_tokens,
-            idx_mapping, query_start_loc, is_prefilling,
-        )
-    elif backend == "cpp":
-        combine_sampled_and_draft_tokens_cpp(
-            input_ids, last_sampled_tokens, draft_tokens, num_draft_tokens,
-            idx_mapping, query_start_loc, is_prefilling,
-        )
-    else:
-        combine_sampled_and_draft_tokens_torch(
-            input_ids, last_sampled_tokens, draft_tokens, num_draft_tokens,
-            idx_mapping, query_start_loc, is_prefilling,
-        )
+    _implementation("combine_sampled_and_draft_tokens", backend)(
+        input_ids, last_sampled_tokens, draft_tokens, num_draft_tokens, idx_mapping, query_start_loc, is_prefilling
+    )
 
 
 def post_step_update(
@@ -199,18 +178,14 @@ def post_step_update(
     """
     backend = select_backend(all_token_ids, total_len, last_sampled_tokens, sampled_token_ids, num_sampled,
                              idx_mapping)
-    if backend == "triton":
-        post_step_update_triton(
-            all_token_ids, total_len, last_sampled_tokens, sampled_token_ids, num_sampled, idx_mapping
-        )
-    elif backend == "cpp":
-        post_step_update_cpp(
-            all_token_ids, total_len, last_sampled_tokens, sampled_token_ids, num_sampled, idx_mapping
-        )
-    else:
-        post_step_update_torch(
-            all_token_ids, total_len, last_sampled_tokens, sampled_token_ids, num_sampled, idx_mapping
-        )
+    _implementation("post_step_update", backend)(
+        all_token_ids, total_len, last_sampled_tokens, sampled_token_ids, num_sampled, idx_mapping
+    )
+
+
+def _implementation(kernel: str, backend: str):
+    """`<kernel>_<backend>` of this module (the three implementations share one signature)."""
+    return globals()[f"{kernel}_{backend}"]
 
 
 # --------------------------------------------------------------------------- #

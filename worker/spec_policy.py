@@ -69,14 +69,20 @@ class RecentMedian:
     size: int = 9
     samples: deque = field(default_factory=deque)  # (stamp, seconds)
     count: int = 0
-    value: float = 0.0  # the median, kept up to date (the policy reads it several times a step)
+    _median: float | None = None  # cached: steps are timed every step, read only when deciding afresh
 
     def update(self, stamp: int, x: float) -> None:
         self.samples.append((stamp, x))
         if len(self.samples) > self.size:
             self.samples.popleft()
         self.count += 1
-        self.value = statistics.median(x for _, x in self.samples)
+        self._median = None
+
+    @property
+    def value(self) -> float:
+        if self._median is None:
+            self._median = statistics.median(x for _, x in self.samples) if self.samples else 0.0
+        return self._median
 
 
 @dataclass
@@ -248,7 +254,7 @@ class SpecPolicy:
         # MTP layer at their previous batch size), wait for a moment with little backfill to pay
         # (new rows, a flush), up to 4 intervals.
         little = pending <= self.backfill_per_row * batch_size
-        due = self._due(costs, stale, interval, pending, batch_size)
+        due = self._due(costs, stale, interval, little)
         # Resuming drafting first pays the backfill of every skipped position: with much of it
         # pending, drafting must win by `resume_margin` more (near break-even, the decision would
         # flip with the noise and pay a backfill at each flip).
@@ -268,7 +274,7 @@ class SpecPolicy:
         """Whether the held k=0 decision (if any) still stands for this decision of `bucket`."""
         held = self._held
         return (held is not None and held.bucket == bucket and costs.decisions <= held.until
-                and not self._due(costs, held.stale, held.interval, pending, batch_size))
+                and not self._due(costs, held.stale, held.interval, pending <= self.backfill_per_row * batch_size))
 
     def _explore(self, bucket: BucketKey, costs: BucketCosts, k: int, before: int | None) -> int:
         """Start measuring k at `bucket`: hold k (its first step is a transition, not timed), then
@@ -279,11 +285,10 @@ class SpecPolicy:
         self._exploration = Exploration(bucket, k, plan, before)
         return k
 
-    def _due(self, costs: BucketCosts, stale: int, interval: int, pending: int, batch_size: int) -> bool:
+    def _due(self, costs: BucketCosts, stale: int, interval: int, little: bool) -> bool:
         """Whether re-measuring `stale` is due: overdue, and a moment with little backfill to pay
         (or overdue by 4 intervals)."""
         overdue = costs.decisions - costs.last_measured[stale]
-        little = pending <= self.backfill_per_row * batch_size
         return overdue > interval and (little or overdue > 4 * interval)
 
     def _finish(self, e: Exploration) -> None:
