@@ -92,17 +92,14 @@ def test_stacked_projections_take_each_checkpoint_tensor(checkpoints):
     weights = load_file(str(path / "model.safetensors"))
     llm = LLM(str(path), max_model_len=64)
     layer = llm.engine.runner.model.model.layers[1]
-    assert layer.self_attn.qkv_proj.packed is not None  # CPU fp32: the oneDNN path is the one under test
     pre = "model.layers.1."
     x = torch.randn(5, weights[pre + "self_attn.q_proj.weight"].shape[1])
-    with torch.inference_mode():
-        qkv = layer.self_attn.qkv_proj(x)
-        gate_up = layer.mlp.gate_up_proj(x)
     want_qkv = torch.cat([x @ weights[pre + f"self_attn.{n}_proj.weight"].T + weights[pre + f"self_attn.{n}_proj.bias"]
                           for n in "qkv"], dim=-1)
     want_gate_up = torch.cat([x @ weights[pre + f"mlp.{n}_proj.weight"].T for n in ("gate", "up")], dim=-1)
-    torch.testing.assert_close(qkv, want_qkv, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(gate_up, want_gate_up, atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():  # whichever weight (packed for oneDNN, or plain) tuning kept for 5 rows
+        torch.testing.assert_close(layer.self_attn.qkv_proj(x), want_qkv, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.mlp.gate_up_proj(x), want_gate_up, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 17])
@@ -117,3 +114,63 @@ def test_packed_linear_matches_f_linear(rows):
         lin.pack(keep_weight=False)
         assert lin.weight.numel() == 0  # the packed copy is the only one left
         torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_tuned_linear_runs_f_linear_below_its_threshold_and_oneDNN_from_it():
+    from worker.models.linear import Linear
+
+    torch.manual_seed(0)
+    lin = Linear(48, 80, bias=True)
+    lin.pack(keep_weight=True)
+    lin.packed_from = 4
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    with torch.inference_mode():
+        for rows in (1, 3, 4, 17):
+            x = torch.randn(rows, 48)
+            want = torch.nn.functional.linear(x, lin.weight, lin.bias)
+            before = len(calls)
+            torch.ops.mkldnn._linear_pointwise = lambda *a, **k: calls.append(1) or real(*a, **k)
+            try:
+                got = lin(x)
+            finally:
+                torch.ops.mkldnn._linear_pointwise = real
+            assert (len(calls) > before) == (rows >= 4), rows
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_packed_threshold_is_the_cheapest_over_all_row_counts():
+    from worker.models.linear import TUNE_ROWS, _cheapest_first
+
+    n = len(TUNE_ROWS)
+    assert _cheapest_first([1.0] * n, [2.0] * n) == 0             # packed always faster: always packed
+    assert _cheapest_first([2.0] * n, [1.0] * n) == n             # never
+    slow_small = [3.0, 3.0, 3.0, 1.0, 1.0, 1.0, 1.0]               # oneDNN wins from 8 rows
+    assert _cheapest_first(slow_small, [1.5] * n) == 3
+    # A near-tie that noise flipped at 32 rows does not move the threshold to 64.
+    noisy = [3.0, 3.0, 3.0, 1.0, 1.0, 1.51, 1.0]
+    assert _cheapest_first(noisy, [1.5] * n) == 3
+
+
+def test_pack_linears_frees_the_weight_it_never_runs(monkeypatch):
+    from worker.models import linear as L
+
+    torch.manual_seed(1)
+    always, never, mixed = (L.Linear(32, 32, bias=False) for _ in range(3))
+    model = torch.nn.Sequential(always, never, mixed)
+    choice = {id(always): 0, id(never): L.TUNE_ROWS[-1] + 1, id(mixed): 8}
+
+    def fake_tune(linears):
+        for lin in linears:
+            lin.packed_from = choice[id(lin)]
+
+    monkeypatch.setattr(L, "tune_linears", fake_tune)
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        want = [torch.nn.functional.linear(x, m.weight) for m in model]
+        L.pack_linears(model, "cpu", shared=set())
+        assert always.weight.numel() == 0 and always.packed is not None
+        assert never.packed is None and never.weight.numel() == 32 * 32
+        assert mixed.packed is not None and mixed.weight.numel() == 32 * 32
+        for m, w in zip(model, want):
+            torch.testing.assert_close(m(x), w, atol=1e-5, rtol=1e-5)

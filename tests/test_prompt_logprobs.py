@@ -143,7 +143,11 @@ def test_http_echo_logprobs_equal_transformers(oai, bundled_ref, tokenizer):
             if c.logprobs is not None:
                 streamed["tokens"] += c.logprobs.tokens
                 streamed["token_logprobs"] += c.logprobs.token_logprobs
-    assert streamed == {"tokens": lps.tokens, "token_logprobs": lps.token_logprobs, "text": choice.text}
+    assert streamed["tokens"] == lps.tokens and streamed["text"] == choice.text
+    # The same numbers up to rounding: the adaptive policy may verify a different number of drafts
+    # per step in the two runs, and a linear's kernel (oneDNN or MKL) is chosen by row count.
+    assert streamed["token_logprobs"][0] is None
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(streamed["token_logprobs"][1:], lps.token_logprobs[1:], strict=True))
 
 
 def test_http_echo_without_logprobs(oai):

@@ -5,19 +5,27 @@ Two things make small-batch decode cheap on a CPU, where every step is a handful
 - Stacking: q/k/v are one GEMM (`qkv_proj`) and gate/up another (`gate_up_proj`), as in vLLM.
   The checkpoint keeps them apart; `Linear.shards` names the checkpoint tensors that fill each
   row range, and the loader copies each one into its slice.
-- Packing: `F.linear` goes through MKL, which on this class of CPU runs a 3-row input as three
-  GEMVs (3x the cost of one row). oneDNN with a weight reordered once at load time handles
-  1..16 rows for little more than one, which is what a speculative verify step (1 + K rows per
-  request) needs. Weights are packed on CPU for fp32, and for bf16 where the CPU has native bf16
-  math (a bf16 MTP drafter); elsewhere `F.linear` runs.
+- Packing: oneDNN with a weight reordered once at load time. Which of it and `F.linear` (MKL)
+  is faster depends on the CPU and the row count: on an AMD EPYC MKL ran a 3-row input as three
+  GEMVs (3x the cost of one row) where oneDNN handled 1..16 rows for little more than one; on a
+  Xeon with AMX, fp32 MKL took 9 us for one row of a 256x512 projection against oneDNN's 21, and
+  oneDNN won only from ~16 rows (2 for a 4096-row lm_head). So weights are packed on CPU for fp32,
+  and for bf16 where the CPU has native bf16 math (a bf16 MTP drafter), and `tune_linears` then
+  measures, per weight shape, from which row count the packed weight runs (below: `F.linear`).
 """
 from __future__ import annotations
 
 import functools
+import logging
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 class Linear(nn.Linear):
@@ -28,9 +36,10 @@ class Linear(nn.Linear):
         # Checkpoint tensor name (sibling of this module) -> number of rows, in stacking order.
         self.shards = shards
         self.packed: torch.Tensor | None = None
+        self.packed_from = 0  # inputs of at least this many rows use `packed` (set by tune_linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and x.shape[0] >= self.packed_from:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -40,7 +49,10 @@ class Linear(nn.Linear):
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         if not keep_weight:
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+            self.drop_plain()
+
+    def drop_plain(self) -> None:
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
 
 @functools.cache
@@ -61,13 +73,85 @@ def can_pack(dtype: torch.dtype, device: str) -> bool:
 
 
 def pack_linears(model: nn.Module, device: str, shared: set[int], skip: nn.Module | None = None) -> None:
-    """Pack every `Linear` of `model` whose dtype oneDNN handles well here; weights whose id is in
-    `shared` (tied embeddings) are kept. Linears inside `skip` (a part torch.compile will compile,
-    which cannot trace a packed weight) stay plain."""
+    """Pack every `Linear` of `model` whose dtype oneDNN handles well here, then choose per weight
+    shape between the packed and the plain weight by row count (`tune_linears`) and free what is
+    never used; weights whose id is in `shared` (tied embeddings) are always kept. Linears inside
+    `skip` (a part torch.compile will compile, which cannot trace a packed weight) stay plain."""
     unpacked = {id(m) for m in skip.modules()} if skip is not None else set()
-    for module in model.modules():
-        if isinstance(module, Linear) and id(module) not in unpacked and can_pack(module.weight.dtype, device):
-            module.pack(keep_weight=id(module.weight) in shared)
+    packed = [m for m in model.modules()
+              if isinstance(m, Linear) and id(m) not in unpacked and can_pack(m.weight.dtype, device)]
+    for module in packed:
+        module.pack(keep_weight=True)
+    tune_linears(packed)
+    for module in packed:
+        if module.packed_from > TUNE_ROWS[-1]:
+            module.packed = None  # F.linear at every row count
+        elif module.packed_from <= TUNE_ROWS[0] and id(module.weight) not in shared:
+            module.drop_plain()
+
+
+# Row counts at which tune_linears times both weights; above the last both are compute-bound GEMMs
+# (alike within a few percent here at 64..1536 rows) and the packed weight runs.
+TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def tune_linears(linears: list[Linear], reps: int = 5, timer: Callable[[], float] = time.perf_counter) -> None:
+    """Set each packed Linear's `packed_from`, per weight shape: the threshold (one of TUNE_ROWS, or
+    past the last: never) that makes the row counts of TUNE_ROWS cheapest in all (`_cheapest_first`).
+    At most two linears of a shape are timed, which bounds the cost for a big model; ~50 ms on the
+    bundled model."""
+    shapes: dict[tuple, list[Linear]] = {}
+    for lin in linears:
+        if lin.packed is not None:
+            shapes.setdefault(_shape(lin), []).append(lin)
+    seconds = _time_both_ways([lin for group in shapes.values() for lin in group[:2]], reps, timer)
+    chosen = []
+    for shape, group in shapes.items():
+        first = _cheapest_first(seconds[shape, True], seconds[shape, False])
+        packed_from = TUNE_ROWS[first] if first < len(TUNE_ROWS) else TUNE_ROWS[-1] + 1
+        for lin in group:
+            lin.packed_from = packed_from
+        chosen.append(f"{shape[0]}x{shape[1]} {str(shape[2]).removeprefix('torch.')} from {packed_from} rows")
+    if chosen:
+        logger.info("linears: oneDNN's packed weight (else F.linear) %s", ", ".join(chosen))
+
+
+def _time_both_ways(timed: list[Linear], reps: int, timer: Callable[[], float]) -> dict[tuple, list[float]]:
+    """(shape, packed?) -> per TUNE_ROWS entry, the median seconds of a sweep's linears of that
+    shape. Sweeps run over the linears in model order, as a forward runs them (each finds the
+    caches as a forward leaves them), packed and plain in alternation."""
+    shapes = {_shape(lin) for lin in timed}
+    seconds: dict[tuple, list[float]] = {(shape, use): [] for shape in shapes for use in (True, False)}
+    with torch.inference_mode():
+        for rows in TUNE_ROWS:
+            inputs = {shape: torch.randn(rows, shape[0]).to(shape[2]) for shape in shapes}
+            samples: dict[tuple, list[float]] = {key: [] for key in seconds}
+            for rep in range(reps):
+                for use in (rep % 2 == 0, rep % 2 == 1):
+                    total = dict.fromkeys(shapes, 0.0)
+                    for lin in timed:
+                        lin.packed_from = 0 if use else TUNE_ROWS[-1] + 1
+                        start = timer()
+                        lin(inputs[_shape(lin)])
+                        total[_shape(lin)] += timer() - start
+                    for shape, t in total.items():
+                        samples[shape, use].append(t)
+            for key, times in samples.items():
+                seconds[key].append(statistics.median(times))
+    return seconds
+
+
+def _cheapest_first(packed: list[float], plain: list[float]) -> int:
+    """The index into TUNE_ROWS from which running packed costs least over all row counts (len:
+    never), each row count's time relative to its faster way: a near-tie that noise flipped then
+    costs next to nothing, where a rule like "packed wins from here on" would move the threshold."""
+    best = [min(a, b) or 1e-12 for a, b in zip(packed, plain)]
+    return min(range(len(best) + 1),
+               key=lambda first: sum((packed[i] if i >= first else plain[i]) / best[i] for i in range(len(best))))
+
+
+def _shape(lin: Linear) -> tuple[int, int, torch.dtype]:
+    return lin.in_features, lin.out_features, lin.weight.dtype
 
 
 def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
