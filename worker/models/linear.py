@@ -95,14 +95,14 @@ def pack_linears(model: nn.Module, device: str, shared: set[int], skip: nn.Modul
 TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def tune_linears(linears: list[Linear], reps: int = 5, timer: Callable[[], float] = time.perf_counter) -> None:
+def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float] = time.perf_counter) -> None:
     """Set each packed Linear's `packed_from`, per weight shape: the threshold (one of TUNE_ROWS, or
     past the last: never) that makes the row counts of TUNE_ROWS cheapest in all (`_cheapest_first`).
     At most two linears of a shape are timed, which bounds the cost for a big model; ~50 ms on the
     bundled model."""
     shapes: dict[tuple, list[Linear]] = {}
     for lin in linears:
-        if lin.packed is not None:
+        if lin.packed is not None and lin.weight.numel():  # (both weights at hand)
             shapes.setdefault(_shape(lin), []).append(lin)
     seconds = _time_both_ways([lin for group in shapes.values() for lin in group[:2]], reps, timer)
     chosen = []
