@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 	-command -v docker-compose >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
 		{ apt-get install -y -q docker-compose || { apt-get update -q && apt-get install -y -q docker-compose; }; } \
 		>/dev/null 2>&1 || echo "note: docker-compose not installed; its test will be skipped"; }
+	@# tcmalloc for the engine processes (server/allocator.py; they run without it where it is missing).
+	-ls /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
+		[ "$$(id -u)" = 0 ] && { apt-get install -y -q libtcmalloc-minimal4 || { apt-get update -q && \
+		apt-get install -y -q libtcmalloc-minimal4; }; } >/dev/null 2>&1 || echo "note: tcmalloc not installed; engines use glibc's malloc"; }
 	@# Chromium renders the /status page headless in tests/test_monitoring.py; installed the same best-effort way.
 	-command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
 		{ apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; } \

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig, KVTransferConfig, ModelConfig, default_max_model_len, default_model
 from engine.types import EngineRole, KVTransferMode, ServeMode
+from server.allocator import engine_env, reexec_with_tcmalloc
 
 logger = logging.getLogger("pdserve")
 
@@ -184,7 +185,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     children: list[subprocess.Popen] = []
     # Engine health ports are for engines deployed one per container; here every child would
     # inherit the same port and all but one would fail to bind it. The front end's /health covers them.
-    env = {k: v for k, v in os.environ.items() if k != _env("--health-port")}
+    env = engine_env({k: v for k, v in os.environ.items() if k != _env("--health-port")})
     cores = sorted(os.sched_getaffinity(0))
     for role, count in roles:
         for i in range(count):
@@ -360,6 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.func is cmd_engine and argv is None:  # a standalone engine process (not called in-process)
+        reexec_with_tcmalloc()
     args.func(args)
 
 
