@@ -12,6 +12,7 @@ the adaptive policy chose each k.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import sys
 import time
@@ -84,7 +85,7 @@ class InFlight:
 
 def interleaved_round(contenders: list[Contender], prompts: list[list[int]], params: SamplingParams) -> None:
     """Every contender decodes the same batch at the same time, taking turns of TURN_SECONDS of
-    engine steps (the order rotating), so that the machine's drift -- on this shared VM its speed
+    engine steps (the order going through every permutation), so that the machine's drift -- on this shared VM its speed
     moves by a third within seconds -- hits every contender alike. A contender's decode time is
     the sum of its own steps after the step that gave every request its first token (the prefill,
     i.e. TTFT, is not decode). Turns are longer than the adaptive policy's 50 ms limit on the gap
@@ -92,9 +93,13 @@ def interleaved_round(contenders: list[Contender], prompts: list[list[int]], par
     enough that the first step of a turn, which finds the caches full of another engine's weights,
     is a small share of it."""
     flights = {c.label: InFlight({c.llm.engine.add_request(p, params) for p in prompts}) for c in contenders}
-    order = list(contenders)
-    while order:
-        for c in list(order):
+    # The turn order runs through every permutation in turn: the first step of a turn pays for the
+    # caches its predecessor filled, and a fixed rotation would have each contender always follow
+    # the same one (at batch 16 that cost the one after fixed-K MTP ~5%).
+    orders = itertools.cycle(list(itertools.permutations(contenders)))
+    running = list(contenders)
+    while running:
+        for c in [c for c in next(orders) if c in running]:
             engine, flight = c.llm.engine, flights[c.label]
             turn_end = time.perf_counter() + TURN_SECONDS
             while engine.has_unfinished():  # (a turn is at least one step)
@@ -110,8 +115,7 @@ def interleaved_round(contenders: list[Contender], prompts: list[list[int]], par
                     break
             if not engine.has_unfinished():
                 c.runs.append((flight.decoded, flight.seconds))
-                order.remove(c)
-        order = order[1:] + order[:1]
+                running.remove(c)
 
 
 def speed(contenders: list[Contender], batch: int, rounds: int, params: SamplingParams) -> None:

@@ -141,10 +141,20 @@ def _time_both_ways(timed: list[Linear], reps: int, timer: Callable[[], float]) 
     return seconds
 
 
+# The packed weight must be this much faster in the sweeps at a row count to count as faster there.
+# In a forward a near-tie goes the other way: gate_up (256x1408) packed from 16 rows, which its sweeps
+# timed at 0.93-1.0x F.linear's, made whole batch-16 decode steps 3-6% slower than F.linear did (four
+# A/B runs); and sweeps a few percent apart are within this box's noise, so engines built a minute
+# apart split such ties differently. Clear wins stay packed (a 4096-row lm_head from 4 rows: 0.6-0.7x).
+PACKED_MARGIN = 1.15
+
+
 def _cheapest_first(packed: list[float], plain: list[float]) -> int:
     """The index into TUNE_ROWS from which running packed costs least over all row counts (len:
-    never), each row count's time relative to its faster way: a near-tie that noise flipped then
-    costs next to nothing, where a rule like "packed wins from here on" would move the threshold."""
+    never), each row count's time relative to its faster way and packed's handicapped by
+    PACKED_MARGIN: a near-tie then costs next to nothing either way, where a rule like "packed
+    wins from here on" would move the threshold with the noise."""
+    packed = [t * PACKED_MARGIN for t in packed]
     best = [min(a, b) or 1e-12 for a, b in zip(packed, plain)]
     return min(range(len(best) + 1),
                key=lambda first: sum((packed[i] if i >= first else plain[i]) / best[i] for i in range(len(best))))
