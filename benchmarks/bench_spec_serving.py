@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import statistics
 import subprocess
@@ -108,7 +109,9 @@ def main() -> None:
     keys = list(runs["mtp"][0])
 
     def med(server: str, key: str, field: str) -> float:
-        return statistics.median(r[key][field] for r in runs[server])
+        # (a round without a single verify step has no acceptance length: nan, which median cannot order)
+        values = [r[key][field] for r in runs[server] if not math.isnan(r[key][field])]
+        return statistics.median(values) if values else float("nan")
 
     def ratios(key: str) -> list[float]:
         return [m[key]["tok_s"] / n[key]["tok_s"] for m, n in zip(runs["mtp"], runs["none"])]
