@@ -90,8 +90,9 @@ def pack_linears(model: nn.Module, device: str, shared: set[int], skip: nn.Modul
             module.drop_plain()
 
 
-# Row counts at which tune_linears times both weights; above the last both are compute-bound GEMMs
-# (alike within a few percent here at 64..1536 rows) and the packed weight runs.
+# Row counts at which tune_linears times both weights. Above the last, the choice made at the last
+# stands (both are compute-bound GEMMs there, alike within a few percent at 64..1536 rows): a
+# threshold past it means F.linear at every row count, and the packed weight is freed.
 TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -111,7 +112,8 @@ def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float
         packed_from = TUNE_ROWS[first] if first < len(TUNE_ROWS) else TUNE_ROWS[-1] + 1
         for lin in group:
             lin.packed_from = packed_from
-        chosen.append(f"{shape[0]}x{shape[1]} {str(shape[2]).removeprefix('torch.')} from {packed_from} rows")
+        when = f"from {packed_from} rows" if first < len(TUNE_ROWS) else "never"
+        chosen.append(f"{shape[0]}x{shape[1]} {str(shape[2]).removeprefix('torch.')} {when}")
     if chosen:
         logger.info("linears: oneDNN's packed weight (else F.linear) %s", ", ".join(chosen))
 
