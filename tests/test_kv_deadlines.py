@@ -55,7 +55,8 @@ def test_reservation_that_cannot_fit_and_one_stuck_behind_full_memory(checkpoint
     model = str(checkpoints["qwen2"])
     engines = ThreadedEngines(tmp_path)
     engines.add("prefill", "prefill-0", EngineConfig(model=model, max_model_len=64, num_threads=1))
-    # 4 blocks of 16 = 64 tokens; ngram drafting reserves 2 lookahead slots: a 63-token prompt can never fit.
+    # 4 blocks of 16 = 64 tokens; ngram drafting reserves 2 lookahead slots: a 62-token prompt (+ t0) can never
+    # fit. Not 63 tokens: P's t0 would end that one at max_model_len, a race with D's rejection.
     decode = engines.add("decode", "decode-0", EngineConfig(model=model, max_model_len=64, num_kv_blocks=4,
                                                             speculative_method="ngram", num_threads=1),
                          kv_reserve_deadline_s=1.0)
@@ -65,7 +66,7 @@ def test_reservation_that_cannot_fit_and_one_stuck_behind_full_memory(checkpoint
     # streamed) behind the same full memory, up to --max-resumes times.
     client = client_for(engines.server_addr, model, "pd", 64, max_resumes=0)
     never, stuck = random_prompts(2, 63, 10, VOCAB, 143)
-    stuck = stuck[:10]
+    never, stuck = never[:62], stuck[:10]
     try:
         with running_client(client) as run:
             run(wait_ready(client))
