@@ -10,7 +10,7 @@ flipped every round so neither side always runs first; every reported number is 
 the rounds (`--rounds`, at least 3 for a result; `--quick` is a 1-round smoke test).
 
 - offline: pdserve's `engine.LLM` vs `vllm.LLM`, each in its own subprocess (vLLM's in its venv),
-  one `generate` over all prompts (mixed lengths), greedy, `ignore_eos` -> output tok/s;
+  the median of 3 timed `generate` calls over all prompts (mixed lengths), greedy, `ignore_eos` -> output tok/s;
 - serving: `pdserve bench` (benchmarks/bench_serving.py) against each server, streaming, a fixed
   number of requests in flight -> output tok/s, ITL p50/p99, TTFT p50; vLLM, pdserve colocated and
   PD without speculation, and `make serve`'s default (PD + MTP);
@@ -546,7 +546,7 @@ def markdown(
     L += [
         "## Offline throughput (output tok/s, higher is better)",
         "",
-        f"`engine.LLM` vs `vllm.LLM`, one `generate` over all prompts (prompt lengths "
+        f"`engine.LLM` vs `vllm.LLM`, the median of 3 timed `generate` calls, each over all prompts (prompt lengths "
         f"{int(offline[0].mean_input * (1 - offline[0].ratio))}–{int(offline[0].mean_input * (1 + offline[0].ratio))} "
         "tokens), greedy, `ignore_eos`, after a warm-up call; `max_num_seqs` = the largest workload on both sides; "
         "pdserve with `OMP_WAIT_POLICY=PASSIVE` (its CLI's default), vLLM with its own thread binding.",
