@@ -82,10 +82,10 @@ def main() -> None:
                 t = time.perf_counter()
                 counts = generate(prompts, max_tokens)
                 elapsed_each.append(time.perf_counter() - t)
+                if any(c != max_tokens for c in counts):  # ignore_eos: anything else is a broken run
+                    raise RuntimeError(f"{spec['engine']} {wl['name']}: output lengths {sorted(set(counts))}, "
+                                       f"expected {max_tokens} each")
             elapsed = statistics.median(elapsed_each)
-            if any(c != max_tokens for c in counts):  # ignore_eos: anything else is a broken run
-                raise RuntimeError(f"{spec['engine']} {wl['name']}: output lengths {sorted(set(counts))}, "
-                                   f"expected {max_tokens} each")
             total = sum(counts)
             results["workloads"][wl["name"]] = {"elapsed_s": elapsed, "elapsed_each_s": elapsed_each,
                                                 "output_tokens": total, "output_tok_s": total / elapsed}

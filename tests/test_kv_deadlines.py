@@ -65,8 +65,7 @@ def test_reservation_that_cannot_fit_and_one_stuck_behind_full_memory(checkpoint
     # max_resumes=0: this is about D's own deadline; failover would re-queue the request (its t0 was
     # streamed) behind the same full memory, up to --max-resumes times.
     client = client_for(engines.server_addr, model, "pd", 64, max_resumes=0)
-    never, stuck = random_prompts(2, 63, 10, VOCAB, 143)
-    never, stuck = never[:62], stuck[:10]
+    never, stuck = random_prompts(2, 62, 10, VOCAB, 143)  # 62 and 10 tokens
     try:
         with running_client(client) as run:
             run(wait_ready(client))
