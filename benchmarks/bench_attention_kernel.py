@@ -82,7 +82,8 @@ def main() -> None:
             rows[build] = run_build(flags)
             for case, (seconds, _) in rows[build].items():
                 times[build][case].append(seconds)
-    print(f"paged attention, 1 thread, heads {HEADS}/{KV_HEADS}, dim {DIM}, median of {args.rounds} alternating rounds; "
+    print(f"paged attention, 1 thread, heads {HEADS}/{KV_HEADS}, dim {DIM}, median of {args.rounds} alternating "
+          f"rounds; "
           f"the native build takes the {path} path")
     for case in CASES:
         g, a = (statistics.median(times[b][case]) * 1e6 for b in ("generic", "native"))
