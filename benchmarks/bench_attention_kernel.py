@@ -83,8 +83,7 @@ def main() -> None:
             for case, (seconds, _) in rows[build].items():
                 times[build][case].append(seconds)
     print(f"paged attention, 1 thread, heads {HEADS}/{KV_HEADS}, dim {DIM}, median of {args.rounds} alternating "
-          f"rounds; "
-          f"the native build takes the {path} path")
+          f"rounds; the native build takes the {path} path")
     for case in CASES:
         g, a = (statistics.median(times[b][case]) * 1e6 for b in ("generic", "native"))
         diff = max(abs(x - y) for x, y in zip(rows["generic"][case][1], rows["native"][case][1]))
