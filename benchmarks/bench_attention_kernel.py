@@ -28,12 +28,12 @@ def measure(flags: list[str]) -> dict[str, tuple[float, list[float]]]:
     """In this process: build with `flags`, time each case; returns seconds per call and a checksum row."""
     import numpy as np
     import torch
-    from torch.utils import cpp_extension
+
+    from worker import cpp_build
 
     torch.set_num_threads(1)
-    tag = "native" if "-mno-avx512f" not in flags else "generic"
-    cpp_extension.load(name=f"pdserve_bench_attention_{tag}", sources=[str(REPO / "worker/csrc/paged_attention.cpp")],
-                       is_python_module=False, extra_cflags=flags, extra_ldflags=["-fopenmp"])
+    # The engine's builder: one cached build per flag set, and no hang on a lock a killed build left.
+    assert cpp_build.build("paged_attention.cpp", flags, "paged attention"), "the kernel did not build"
     out = {}
     for name, (batch, q_len, ctx) in CASES.items():
         rng, gen = np.random.default_rng(0), torch.Generator().manual_seed(0)

@@ -239,7 +239,7 @@ bool attend_row_head_avx512(const scalar_t* q, const scalar_t* k_cache, const sc
 // fp32 rows on AVX2 + FMA (head_dim 32, 64 or 128), for CPUs without AVX-512 (the 2-core AMD EPYC
 // CI machine): 8 keys per chunk, their dot products reduced together and exponentiated in one vector
 // op. The generic path above (a horizontal sum and a scalar expf per key) took 984 us of a 9.3 ms
-// batch-16 decode step per layer there; this path is 3x faster on a hot cache at 350-token contexts
+// batch-16 decode step per layer there; this path is 1.8-3.1x faster on a hot cache at 350-token contexts
 // (benchmarks/bench_attention_kernel.py) but only 770-1070 us in the engine (runs vary that much),
 // where each layer's cache is cold and is read from memory (software prefetching measured no better).
 
