@@ -45,11 +45,12 @@ class FirstPositionProbe:
         drafter, runner = self.runner.drafter, self.runner
         pick, sample, sampler_call = drafter._pick, runner._sample, runner.sampler.forward
 
-        def probe_pick(logits, slots, j, draft_meta, walk=None):
+        def probe_pick(h, slots, j, draft_meta, walk=None):
             if j == 0:
+                logits = drafter.model.compute_draft_logits(h)
                 for row, slot in enumerate(slots.tolist()):
                     self.q0[slot] = self._dist(logits[row])
-            return pick(logits, slots, j, draft_meta, walk)
+            return pick(h, slots, j, draft_meta, walk)
 
         def probe_sample(batch, hidden):
             self.batch = batch

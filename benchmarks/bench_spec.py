@@ -45,16 +45,17 @@ def prompts_for(llm: LLM, n: int) -> list[list[int]]:
     return [llm.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
 
 
-def make_llm(model: str, method: str | None, k: int, batch: int, device: str, policy: str = "fixed") -> LLM:
+def make_llm(model: str, method: str | None, k: int, batch: int, device: str, policy: str = "fixed",
+             draft_vocab: str = "auto") -> LLM:
     llm = LLM(model, speculative_method=method, num_speculative_tokens=k, max_num_seqs=max(batch, 1),
-              max_model_len=1024, device=device, spec_policy=policy)
+              max_model_len=1024, device=device, spec_policy=policy, draft_vocab=draft_vocab)
     llm.generate(prompts_for(llm, 1), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     llm.engine.scheduler.spec_stats.__init__()
     return llm
 
 
-def acceptance(model: str, k: int, params: SamplingParams, device: str):
-    llm = make_llm(model, "mtp", k, 16, device)
+def acceptance(model: str, k: int, params: SamplingParams, device: str, draft_vocab: str):
+    llm = make_llm(model, "mtp", k, 16, device, draft_vocab=draft_vocab)
     llm.generate(prompts_for(llm, 16), params)
     stats = llm.engine.scheduler.spec_stats
     llm.shutdown()
@@ -164,6 +165,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: like one engine process here)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=0, help="timed rounds per batch (0: 12 at batch 1, 6 at 4, else 5)")
+    ap.add_argument("--draft-vocab", default="auto", help="MTP draft vocabulary: auto | full | a file")
     ap.add_argument("-v", "--verbose", action="store_true", help="log the policy's cost table per batch")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
@@ -172,11 +174,11 @@ def main() -> None:
     drafter = resolve_draft_dtype("auto", "float32", args.device)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, ignore_eos=True)
     print(f"model: {model} | {args.device} | temperature {args.temperature}, {args.new_tokens} new tokens | "
-          f"torch threads: {args.threads} | target float32, MTP drafter {drafter}")
+          f"torch threads: {args.threads} | target float32, MTP drafter {drafter}, draft vocab {args.draft_vocab}")
     if not args.skip_acceptance:
         print(f"\n{'K':>2} {'accept len':>11} {'per-position acceptance':>28}")
         for k in (1, 2, 3):
-            stats = acceptance(model, k, params, args.device)
+            stats = acceptance(model, k, params, args.device, args.draft_vocab)
             per_pos = " ".join(f"{n / stats.num_drafts:.2f}" for n in stats.accepted_per_pos)
             print(f"{k:>2} {stats.mean_acceptance_length:>11.2f} {per_pos:>28}")
     print(f"\ndecode tok/s; ratios to no speculation (overall, median of rounds); adaptive = up to K={args.k_max}: "
@@ -186,8 +188,10 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         rounds = args.rounds or {1: 12, 4: 6}.get(batch, 5)
         contenders = [Contender("base", make_llm(model, None, 1, batch, args.device)),
-                      Contender("fixed", make_llm(model, "mtp", args.k_fixed, batch, args.device)),
-                      Contender("adaptive", make_llm(model, "mtp", args.k_max, batch, args.device, "adaptive"))]
+                      Contender("fixed", make_llm(model, "mtp", args.k_fixed, batch, args.device,
+                                                        draft_vocab=args.draft_vocab)),
+                      Contender("adaptive", make_llm(model, "mtp", args.k_max, batch, args.device, "adaptive",
+                                                           args.draft_vocab))]
         speed(contenders, batch, rounds, params)
         report(batch, contenders)
         for c in contenders:

@@ -143,6 +143,10 @@ class EngineConfig:
     # the target verifies, so this trades nothing but draft quality for speed. "auto": bfloat16
     # when the target runs in float32 on hardware with native bf16 math, else the target's dtype.
     draft_dtype: str = "auto"
+    # The tokens MTP drafts over (FR-Spec): "auto" the checkpoint's draft_vocab.json where it has one
+    # (the bundled model's is the training corpus' most frequent tokens, scripts/make_draft_vocab.py),
+    # "full" the whole vocabulary, or a path to such a file. Output is exact either way.
+    draft_vocab: str = "auto"
     # Run the model eagerly instead of compiling its forward with torch.compile (worker/compilation.py).
     # None: PDSERVE_ENFORCE_EAGER if set, else eager on CPU, where compiling gained -8..+10% by batch size
     # and 1-2% on long prefills (benchmarks/results/compile.txt), nothing through the server, for ~30 s

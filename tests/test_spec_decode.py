@@ -1,6 +1,7 @@
 """Speculative decoding (MTP and n-gram): exact greedy output, the I4 mirror, stale drafts (issue: MTP)."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -49,6 +50,54 @@ def test_spec_greedy_matches_transformers(arch, method, k, draft_dtype, policy, 
     core.step()
     stats = core.stats()
     assert stats.kv_blocks_free == stats.kv_blocks_total and not core.runner.states.req_id_to_slot
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_spec_greedy_with_a_draft_vocabulary_matches_transformers(policy, mtp_checkpoints, references, tmp_path):
+    """Drafting over a token subset (FR-Spec, --draft-vocab) changes which drafts are proposed, never the output."""
+    vocab = tmp_path / "draft_vocab.json"
+    vocab.write_text(json.dumps({"token_ids": list(range(0, VOCAB, 3))}))
+    prompts = random_prompts(8, 1, 200, VOCAB, 71) + repetitive_prompts(4, 72)
+    llm = LLM(str(mtp_checkpoints["qwen2"]), max_model_len=320, max_num_seqs=2, block_size=4,
+              max_num_batched_tokens=64, speculative_method="mtp", num_speculative_tokens=2, spec_policy=policy,
+              draft_vocab=str(vocab))
+    model = llm.engine.runner.model
+    assert model.draft_head.out_features == len(model.draft_vocab) == len(range(0, VOCAB, 3))
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
+    exact = sum(references["qwen2"].assert_matches(p, o.token_ids, NEW, f"draft vocab/{policy}/prompt {i}")
+                for i, (p, o) in enumerate(zip(prompts, outs)))
+    assert exact >= len(prompts) - 1
+    spec = llm.engine.scheduler.spec_stats
+    assert spec.num_draft_tokens > 0
+
+
+def test_draft_vocabulary_logits_and_bad_files(mtp_checkpoints, tmp_path):
+    import torch
+
+    from worker.model_loader import resolve_draft_vocab
+
+    llm = LLM(str(mtp_checkpoints["qwen2"]), max_model_len=64, max_num_seqs=1, speculative_method="mtp",
+              draft_vocab="full", draft_dtype="float32")
+    model = llm.engine.runner.model
+    h = torch.randn(3, model.config.hidden_size)
+    full = model.compute_draft_logits(h)
+    ids = [5, 1, 200, 7]
+    model.set_draft_vocab(ids)
+    sub = model.compute_draft_logits(h)
+    keep = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    keep[ids] = True
+    torch.testing.assert_close(sub[:, keep], full[:, keep])
+    assert torch.isneginf(sub[:, ~keep]).all()
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        model.set_draft_vocab([0, model.config.vocab_size])
+    assert resolve_draft_vocab("auto", tmp_path) is None and resolve_draft_vocab("full", tmp_path) is None
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"ids": [1, 2]}')
+    with pytest.raises(ValueError, match="draft_vocab"):
+        resolve_draft_vocab(str(bad), tmp_path)
+    bad.write_text('{"token_ids": ["a"]}')
+    with pytest.raises(ValueError, match="draft_vocab"):
+        resolve_draft_vocab(str(bad), tmp_path)
 
 
 def test_runner_mirror_equals_scheduler_every_step(mtp_checkpoints, monkeypatch):

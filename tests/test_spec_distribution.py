@@ -7,6 +7,7 @@ with MTP speculation as without (two-sample chi-square), at temperature 1 and wi
 from __future__ import annotations
 
 import collections
+import json
 
 import pytest
 from conftest import add_mtp_layer
@@ -31,8 +32,8 @@ def small_vocab_model(tmp_path_factory):
     return add_mtp_layer(path, seed=6, std=0.5)
 
 
-def sample_counts(model, spec: bool, top_p: float) -> tuple[collections.Counter, float]:
-    kwargs = dict(speculative_method="mtp", num_speculative_tokens=2) if spec else {}
+def sample_counts(model, spec: bool, top_p: float, draft_vocab: str = "auto") -> tuple[collections.Counter, float]:
+    kwargs = dict(speculative_method="mtp", num_speculative_tokens=2, draft_vocab=draft_vocab) if spec else {}
     llm = LLM(str(model), max_model_len=32, max_num_seqs=128, **kwargs)
     params = [SamplingParams(temperature=1.0, top_p=top_p, seed=s + (10**6 if spec else 0), max_tokens=4,
                              ignore_eos=True) for s in range(N)]
@@ -43,10 +44,17 @@ def sample_counts(model, spec: bool, top_p: float) -> tuple[collections.Counter,
     return collections.Counter(tuple(o.token_ids[1:4]) for o in outs), accept
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_spec_sampling_matches_non_spec_distribution(small_vocab_model, top_p):
+@pytest.mark.parametrize("top_p,subset", [(1.0, None), (0.8, None), (1.0, [0, 2, 3, 5])])
+def test_spec_sampling_matches_non_spec_distribution(small_vocab_model, top_p, subset, tmp_path):
+    """`subset`: drafts over those tokens only (--draft-vocab): the masked draft distribution is
+    what the drafts are drawn from and what the rejection sampler is told, so the output keeps the
+    target's distribution although two tokens can never be drafted."""
+    vocab = "auto"
+    if subset is not None:
+        vocab = str(tmp_path / "draft_vocab.json")
+        (tmp_path / "draft_vocab.json").write_text(json.dumps({"token_ids": subset}))
     base, _ = sample_counts(small_vocab_model, spec=False, top_p=top_p)
-    spec, accept = sample_counts(small_vocab_model, spec=True, top_p=top_p)
+    spec, accept = sample_counts(small_vocab_model, spec=True, top_p=top_p, draft_vocab=vocab)
     assert 0.1 < accept < 0.95, f"drafts should be partly accepted to exercise both paths, got {accept:.2f}"
     for pos in range(3):  # each position's marginal, then the pair (2, 3)
         a = collections.Counter(k[pos] for k in base.elements())

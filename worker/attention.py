@@ -114,6 +114,16 @@ class AttentionContext:
             mask &= keys[None, :] > queries - window
         return PrefillRow(start, end, torch.from_numpy(slots).to(device), mask)
 
+    def paged_inputs(self, layer_idx: int) -> tuple | None:
+        """What a fused C++ layer needs to write its K/V and attend with the C++ paged kernel itself
+        (the MTP drafter's, worker/models/mtp.py): (k_cache, v_cache, block_table, query_start,
+        query_len, seq_lens, block_size, sliding_window), or None where this step cannot go that way
+        (another backend, a long row, non-fp32 caches)."""
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        if self.backend != "cpp" or self.prefill_rows or not self.max_short_query or k_cache.dtype != torch.float32:
+            return None
+        return (k_cache, v_cache, *self.paged_args, self.block_size, self.window or 0)
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] for this step's tokens. Returns [T, H, D]."""
         k_cache, v_cache = self.kv_caches[layer_idx]

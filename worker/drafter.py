@@ -206,7 +206,7 @@ class MTPDrafter:
     def _draft_walk(self, batch: InputBatch, rows: np.ndarray, h: torch.Tensor, last_pos: np.ndarray, k: int,
                     draft_meta: DraftMetadataFn, walk: DraftWalk | None) -> list[list[int]]:
         slots = batch.slots[rows]
-        token = self._pick(self.model.compute_draft_logits(h), slots, 0, draft_meta, walk)
+        token = self._pick(h, slots, 0, draft_meta, walk)
         proposed = [token]
         block_tables = batch.layout.block_tables[rows]
         ones = np.ones(len(rows), dtype=np.int32)
@@ -214,15 +214,19 @@ class MTPDrafter:
             layout = StepLayout(block_tables, (last_pos + i).astype(np.int32), ones)
             step_ctx = AttentionContext(self.kv_views, layout, self.block_size, self.device, self.sliding_window)
             h = self.model.mtp_forward(0, h, token, step_ctx.positions, step_ctx, has_position0=False)
-            token = self._pick(self.model.compute_draft_logits(h), slots, i, draft_meta, walk)
+            token = self._pick(h, slots, i, draft_meta, walk)
             proposed.append(token)
         return torch.stack(proposed, dim=1).tolist()
 
-    def _pick(self, logits: torch.Tensor, slots: np.ndarray, j: int, draft_meta: DraftMetadataFn,
+    def _pick(self, h: torch.Tensor, slots: np.ndarray, j: int, draft_meta: DraftMetadataFn,
               walk: DraftWalk | None = None) -> torch.Tensor:
+        """Draft j of each row from the MTP hidden states `h` (int32 token ids)."""
+        meta = draft_meta(slots, j) if self.mode is DraftMode.COUPLED else None
+        if meta is None and walk is None:
+            return self.model.greedy_draft_tokens(h)
+        logits = self.model.compute_draft_logits(h)
         if walk is not None:  # a draft the grammar refuses could never be accepted: do not propose it
             logits = logits.masked_fill(~walk.mask().to(logits.device), float("-inf"))
-        meta = draft_meta(slots, j) if self.mode is DraftMode.COUPLED else None
         if meta is None:
             token = fused_ops.argmax(logits).to(torch.int32)
         else:

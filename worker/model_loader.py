@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
-from worker.models.linear import checkpoint_tensors, native_bf16_cpu, pack_linears
+from worker import cpu_attention
+from worker.models.linear import bf16_linear_available, checkpoint_tensors, native_bf16_cpu, pack_linears
 from worker.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ def all_checkpoint_keys(model_dir: Path) -> set[str]:
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str, max_positions: int,
-               num_mtp_layers: int = 0, draft_dtype: str | None = None, compiled: bool = False) -> CausalLM:
+               num_mtp_layers: int = 0, draft_dtype: str | None = None, compiled: bool = False,
+               draft_vocab: list[int] | None = None) -> CausalLM:
     model_dir = Path(model_dir)
     if num_mtp_layers > cfg.num_mtp_layers:
         raise ValueError(f"speculative_method: 'mtp' needs MTP layers, but {str(model_dir)!r} has "
@@ -95,16 +97,61 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
     unused = sorted(all_checkpoint_keys(model_dir) - used - {"lm_head.weight"})
     if unused:
         logger.info("ignoring %d checkpoint keys the model does not use (e.g. %s)", len(unused), unused[0])
-    if num_mtp_layers and draft_dtype and draft_dtype != dtype:
+    bf16_weights = num_mtp_layers and draft_weights_only(draft_dtype, dtype, device)
+    if num_mtp_layers and draft_dtype and draft_dtype != dtype and not bf16_weights:
         model.set_draft_dtype(DTYPES[draft_dtype])
+    if num_mtp_layers and draft_vocab is not None:
+        model.set_draft_vocab(draft_vocab)
+    # (rounded before packing, which may free the fp32 weights)
+    halves = [(lin, lin.weight.detach().to(torch.bfloat16)) for lin in model.draft_linears()] if bf16_weights else []
+    head = model.lm_head.weight.detach().to(torch.bfloat16) if bf16_weights and model.draft_head is None else None
     pack_linears(model, device, shared={id(model.model.embed_tokens.weight)},
                  skip=model.model.layers if compiled else None)
+    for lin, half in halves:
+        lin.keep_bf16(half)
+    if head is not None:
+        model.set_bf16_draft_head(head)
+    if bf16_weights and cpu_attention.available():
+        for layer in model.model.mtp_layers:
+            layer.fuse()
     return model.eval()
 
 
+def draft_weights_only(draft_dtype: str | None, dtype: str, device: str) -> bool:
+    """Whether a bfloat16 drafter keeps fp32 arithmetic and only its weights in bf16 (for a float32
+    target on a CPU): the weight bytes a few-row draft step reads from memory are what its time goes
+    to, and bf16 arithmetic gains nothing there -- emulated where the CPU has no bf16 math (slower
+    than fp32), and where it has, oneDNN's bf16 GEMM costs ~30 us a call at a few rows, 1.5-3x the
+    bf16-weight kernel (benchmarks/results/bf16_linear.txt)."""
+    return draft_dtype == "bfloat16" and dtype == "float32" and device == "cpu" and bf16_linear_available()
+
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # written by scripts/make_draft_vocab.py
+
+
+def resolve_draft_vocab(draft_vocab: str, model_dir: str | Path) -> list[int] | None:
+    """The token ids MTP drafts over (None: the whole vocabulary). "auto": the checkpoint's
+    draft_vocab.json where it has one, "full": the whole vocabulary, else a path to such a file
+    (a JSON object whose "token_ids" lists the ids)."""
+    if draft_vocab == "full":
+        return None
+    path = Path(model_dir) / DRAFT_VOCAB_FILE if draft_vocab == "auto" else Path(draft_vocab)
+    if draft_vocab == "auto" and not path.is_file():
+        return None
+    try:
+        ids = json.loads(path.read_text())["token_ids"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"draft_vocab: cannot read token_ids from {str(path)!r} ({e})") from e
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"draft_vocab: {str(path)!r} must list token ids as integers")
+    return ids
+
+
 def resolve_draft_dtype(draft_dtype: str, dtype: str, device: str) -> str:
-    """"auto": bfloat16 drafting for a float32 target on a CPU with native bf16 math (there it is
-    about 6% faster end to end with the same acceptance on the bundled model); else the target's."""
+    """"auto": bfloat16 drafting for a float32 target on a CPU: bf16 weights with fp32 arithmetic
+    (draft_weights_only), or bf16 math where that kernel cannot be built and the CPU has it natively;
+    the target's dtype elsewhere."""
     if draft_dtype != "auto":
         return draft_dtype
-    return "bfloat16" if dtype == "float32" and device == "cpu" and native_bf16_cpu() else dtype
+    cpu_fp32 = dtype == "float32" and device == "cpu"
+    return "bfloat16" if cpu_fp32 and (native_bf16_cpu() or bf16_linear_available()) else dtype

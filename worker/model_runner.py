@@ -23,7 +23,7 @@ from worker.compilation import ModelForward
 from worker.drafter import MTPDrafter, NgramDrafter
 from worker.input_batch import InputBatch, StepLayout
 from worker.kv_tap import KVTap
-from worker.model_loader import DTYPES, load_model, resolve_draft_dtype
+from worker.model_loader import DTYPES, load_model, resolve_draft_dtype, resolve_draft_vocab
 from worker.prompt_logprobs import compute_prompt_logprobs
 from worker.rejection_sampler import accept_matching_prefix
 from worker.sampler import GREEDY_TEMPERATURE_EPS, Sampler, SamplingMetadata, mix_seed, position_generator
@@ -62,7 +62,8 @@ class ModelRunner:
         self.draft_dtype = resolve_draft_dtype(config.draft_dtype, config.dtype, config.device)
         self.model = load_model(Path(config.model), model_cfg, config.dtype, config.device,
                                 max_positions=max_len + lookahead + 8, num_mtp_layers=num_mtp,
-                                draft_dtype=self.draft_dtype, compiled=not config.enforce_eager)
+                                draft_dtype=self.draft_dtype, compiled=not config.enforce_eager,
+                                draft_vocab=resolve_draft_vocab(config.draft_vocab, config.model) if num_mtp else None)
         self.forward = ModelForward(self.model, compile_model=not config.enforce_eager)
         # Chosen (and on CPU the kernels built or loaded) now, before the engine serves.
         self.attention_backend = default_backend(self.device)

@@ -12,6 +12,11 @@ Two things make small-batch decode cheap on a CPU, where every step is a handful
   oneDNN won only from ~16 rows (2 for a 4096-row lm_head). So weights are packed on CPU for fp32,
   and for bf16 where the CPU has native bf16 math (a bf16 MTP drafter), and `tune_linears` then
   measures, per weight shape, from which row count the packed weight runs (below: `F.linear`).
+- bf16 weights (`keep_bf16`), for the MTP drafter of a float32 target on a CPU: inputs of at most
+  BF16_MAX_ROWS rows are multiplied by a bfloat16 copy of the weight in fp32 arithmetic
+  (`worker/csrc/bf16_linear.cpp`). A few rows' step reads every weight from memory, and half the
+  bytes made the bundled model's projections 1.4-1.8x faster for 1-4 rows, where oneDNN's bf16
+  GEMM was 2x slower than fp32 even with native bf16 math (benchmarks/results/bf16_linear.txt).
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker import cpp_build
+
 logger = logging.getLogger(__name__)
 
 
@@ -37,8 +44,11 @@ class Linear(nn.Linear):
         self.shards = shards
         self.packed: torch.Tensor | None = None
         self.packed_from = 0  # inputs of at least this many rows use `packed` (set by tune_linears)
+        self.bf16: torch.Tensor | None = None  # set by keep_bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16 is not None and x.shape[0] <= BF16_MAX_ROWS and x.dtype == torch.float32:
+            return torch.ops.pdserve_bf16.linear_bf16w(x.contiguous(), self.bf16, self.bias)
         if self.packed is not None and x.shape[0] >= self.packed_from:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -53,6 +63,24 @@ class Linear(nn.Linear):
 
     def drop_plain(self) -> None:
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+    def keep_bf16(self, weight: torch.Tensor) -> None:
+        """Multiply inputs of few rows by `weight` rounded to bfloat16 (in fp32 arithmetic; needs
+        bf16_linear_available()). The fp32 weight (or its packed copy) still serves bigger inputs."""
+        self.bf16 = weight.detach().to(torch.bfloat16).contiguous()
+
+
+# Inputs of at most this many rows use a Linear's bf16 weight: up to 8 rows the bf16 kernel beats fp32
+# MKL and oneDNN on the bundled model's shapes (at 16 it lost to both on a Xeon with AMX,
+# benchmarks/results/bf16_linear.txt).
+BF16_MAX_ROWS = 8
+BF16_CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # (omp simd may reassociate the scalar tail's sums)
+
+
+@functools.cache
+def bf16_linear_available() -> bool:
+    """Build (or load the cached build of) the bf16-weight linear kernel; False where that fails."""
+    return cpp_build.build("bf16_linear.cpp", BF16_CFLAGS, "bf16-weight linear")
 
 
 @functools.cache

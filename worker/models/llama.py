@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from worker import fused_ops
 from worker.models.layers import AttentionBackend, DecoderLayer, RMSNorm, RotaryEmbedding
 from worker.models.linear import Linear
 from worker.models.mtp import MTPLayer
@@ -42,7 +43,8 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderModel(cfg, max_positions, num_mtp_layers)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.draft_head: Linear | None = None  # set by set_draft_dtype
+        self.draft_head: Linear | None = None  # set by set_draft_dtype / set_draft_vocab
+        self.draft_vocab: torch.Tensor | None = None  # the ids draft_head scores, when not the whole vocab
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -62,9 +64,51 @@ class CausalLM(nn.Module):
             self.draft_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         self.draft_head.weight = nn.Parameter(self.lm_head.weight.detach().to(dtype), requires_grad=False)
 
+    def draft_linears(self) -> list[Linear]:
+        """The linears a draft runs besides lm_head: the MTP layers' and the draft head, if any."""
+        heads = [self.draft_head] if self.draft_head is not None else []
+        return [m for m in self.model.mtp_layers.modules() if isinstance(m, Linear)] + heads
+
+    def set_bf16_draft_head(self, weight: torch.Tensor) -> None:
+        """A draft head that is lm_head (its fp32 weight, or packed copy, for big inputs) plus a
+        bf16 copy of `weight` for few rows (Linear.keep_bf16). Made after packing, so that it
+        shares lm_head's packed weight instead of packing one of its own."""
+        with torch.device("meta"):
+            head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        head.weight, head.packed, head.packed_from = self.lm_head.weight, self.lm_head.packed, self.lm_head.packed_from
+        head.keep_bf16(weight)
+        self.draft_head = head
+
+    def set_draft_vocab(self, token_ids: list[int]) -> None:
+        """Draft over these tokens only (FR-Spec's frequency-ranked draft vocabulary): the draft
+        head keeps just their rows of lm_head, and every other token gets a draft logit of -inf.
+        On a small model the vocab-sized lm_head is a large share of an MTP draft's cost. Exactness
+        does not depend on it: the masked logits are a proper draft distribution (greedy drafts are
+        its argmax, sampled ones are drawn from it and handed to the rejection sampler as such)."""
+        unique = sorted(set(token_ids))
+        if not unique or unique[0] < 0 or unique[-1] >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary: {len(unique)} token ids, which must lie in "
+                             f"[0, {self.config.vocab_size}); got {unique[:1]}..{unique[-1:]}")
+        ids = torch.tensor(unique, dtype=torch.long, device=self.lm_head.weight.device)
+        full = (self.draft_head or self.lm_head).weight.detach()
+        with torch.device("meta"):
+            self.draft_head = Linear(self.config.hidden_size, len(ids), bias=False)
+        self.draft_head.weight = nn.Parameter(full.index_select(0, ids).contiguous(), requires_grad=False)
+        self.draft_vocab = ids
+
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for proposing drafts from an MTP hidden state (in the drafter's precision)."""
-        return (self.draft_head or self.lm_head)(hidden).float()
+        logits = (self.draft_head or self.lm_head)(hidden).float()
+        if self.draft_vocab is None:
+            return logits
+        full = torch.full((hidden.shape[0], self.config.vocab_size), float("-inf"), device=hidden.device)
+        return full.index_copy_(1, self.draft_vocab, logits)
+
+    def greedy_draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_draft_logits(hidden).argmax(-1) as int32, without spreading a draft
+        vocabulary's logits over the whole one (its ids are sorted: ties go to the lowest id alike)."""
+        best = fused_ops.argmax((self.draft_head or self.lm_head)(hidden).float())
+        return (best if self.draft_vocab is None else self.draft_vocab[best]).to(torch.int32)
 
     def mtp_forward(self, layer: int, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                     attn: AttentionBackend, has_position0: bool = True) -> torch.Tensor:

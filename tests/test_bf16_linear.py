@@ -1,0 +1,129 @@
+"""The bf16-weight linear (worker/csrc/bf16_linear.cpp) and the MTP drafter that uses it on CPUs
+without native bf16 math: the kernel against its torch reference, the Linear's row threshold,
+and exact greedy speculation with it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import random_prompts
+
+from engine import LLM, SamplingParams
+from worker import model_loader
+from worker.models.linear import BF16_MAX_ROWS, Linear, bf16_linear_available
+
+pytestmark = pytest.mark.skipif(not bf16_linear_available(), reason="no C++ compiler for the bf16 linear")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17])
+@pytest.mark.parametrize("out_features,in_features", [(1, 8), (7, 100), (13, 256), (64, 704), (1408, 256)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_reference(rows, out_features, in_features, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g) if bias else None
+    got = torch.ops.pdserve_bf16.linear_bf16w(x, w, b)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    # fp32 sums of in_features exact products, in another order than the double reference.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * in_features ** 0.5)
+
+
+def test_kernel_rejects_bad_inputs():
+    w = torch.randn(4, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.pdserve_bf16.linear_bf16w(torch.randn(2, 8).double(), w, None)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        torch.ops.pdserve_bf16.linear_bf16w(torch.randn(2, 9), w, None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.pdserve_bf16.linear_bf16w(torch.randn(2, 8), w, torch.randn(3))
+
+
+def test_linear_uses_the_bf16_weight_for_few_rows_only():
+    lin = Linear(32, 24, bias=True)
+    with torch.no_grad():
+        lin.weight.normal_()
+        lin.bias.normal_()
+    lin.keep_bf16(lin.weight)
+    rounded = lin.weight.detach().bfloat16().float()
+    few, many = torch.randn(BF16_MAX_ROWS, 32), torch.randn(BF16_MAX_ROWS + 1, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(few), F.linear(few, rounded, lin.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lin(many), F.linear(many, lin.weight, lin.bias))  # the fp32 weight
+
+
+def test_drafter_choice(monkeypatch):
+    """A float32 target's drafter on a CPU keeps bf16 weights with fp32 arithmetic, whether or not
+    the CPU has bf16 math (oneDNN's bf16 GEMM loses to the bf16-weight kernel at a few rows)."""
+    for native in (False, True):
+        monkeypatch.setattr(model_loader, "native_bf16_cpu", lambda native=native: native)
+        assert model_loader.resolve_draft_dtype("auto", "float32", "cpu") == "bfloat16"
+        assert model_loader.draft_weights_only("bfloat16", "float32", "cpu")
+    assert not model_loader.draft_weights_only("float32", "float32", "cpu")
+    assert not model_loader.draft_weights_only("bfloat16", "bfloat16", "cpu")
+    assert not model_loader.draft_weights_only("bfloat16", "float32", "cuda")
+
+
+@pytest.mark.parametrize("draft_vocab", ["full", "subset"])
+def test_bf16_weight_drafter_is_exact(draft_vocab, mtp_checkpoints, references, tmp_path):
+    """A float32 target with a bf16-weight MTP drafter (fused layer, bf16 draft head): greedy
+    output is transformers', the draft head keeps lm_head's fp32 weight for big inputs."""
+    import json
+
+    vocab = "full"
+    if draft_vocab == "subset":
+        vocab = str(tmp_path / "draft_vocab.json")
+        (tmp_path / "draft_vocab.json").write_text(json.dumps({"token_ids": list(range(0, 384, 2))}))
+    llm = LLM(str(mtp_checkpoints["qwen2"]), max_model_len=320, max_num_seqs=2, block_size=4,
+              max_num_batched_tokens=64, speculative_method="mtp", num_speculative_tokens=2, draft_dtype="bfloat16",
+              spec_policy="fixed", draft_vocab=vocab)
+    model = llm.engine.runner.model
+    mtp_linears = [m for m in model.model.mtp_layers.modules() if isinstance(m, Linear)]
+    assert mtp_linears and all(m.bf16 is not None for m in mtp_linears)
+    assert model.model.mtp_layers[0].fused is not None
+    assert model.draft_head.bf16 is not None and model.lm_head.bf16 is None
+    assert model.model.mtp_layers[0].input_proj.weight.dtype == torch.float32  # fp32 arithmetic
+    if draft_vocab == "full":
+        assert model.draft_head.weight is model.lm_head.weight
+    prompts = random_prompts(8, 1, 200, 384, 81)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    exact = sum(references["qwen2"].assert_matches(p, o.token_ids, 32, f"bf16 drafter/prompt {i}")
+                for i, (p, o) in enumerate(zip(prompts, outs)))
+    assert exact >= len(prompts) - 1
+    assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_fused_mtp_layer_matches_the_torch_layer(arch, mtp_checkpoints):
+    """The MTP layer as one C++ op (mtp_layer) against the same layer op by op, on a step with a
+    verify-like row and a row starting at position 0 (its token embedding zeroed): the same hidden
+    states and the same K/V written into the cache (Qwen3: q/k norms; Llama: llama3 RoPE scaling)."""
+    import numpy as np
+
+    from worker.attention import AttentionContext
+    from worker.input_batch import StepLayout
+
+    llm = LLM(str(mtp_checkpoints[arch]), max_model_len=128, max_num_seqs=2, block_size=4,
+              speculative_method="mtp", num_speculative_tokens=2, draft_dtype="bfloat16")
+    runner = llm.engine.runner
+    model, layer = runner.model, runner.model.model.mtp_layers[0]
+    assert layer.fused is not None
+    layout = StepLayout(np.array([[3, 4, 5, 0], [6, 7, 0, 0]], np.int32), np.array([5, 0], np.int32),
+                        np.array([3, 2], np.int32))
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(5, model.config.hidden_size, generator=g)
+    ids = torch.randint(0, model.config.vocab_size, (5,), generator=g, dtype=torch.int32)
+    runner.kv_cache.normal_(generator=g)
+    before = runner.kv_cache.clone()
+    results = []
+    with torch.inference_mode():
+        for fused in (layer.fused, None):
+            runner.kv_cache.copy_(before)
+            layer.fused = fused
+            ctx = AttentionContext(runner.kv_views, layout, 4, runner.device)
+            out = model.mtp_forward(0, hidden, ids, ctx.positions, ctx, has_position0=True)
+            results.append((out, runner.kv_cache[-1].clone()))
+    (fused_out, fused_kv), (torch_out, torch_kv) = results
+    torch.testing.assert_close(fused_out, torch_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused_kv, torch_kv, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(fused_kv, before[-1])  # the step's K/V were written

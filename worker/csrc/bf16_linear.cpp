@@ -1,0 +1,339 @@
+// The MTP drafter's kernels on a CPU, for a float32 target: its weights are stored in bfloat16 and
+// every product and sum is fp32 (worker/models/linear.py, worker/models/mtp.py).
+//
+// linear_bf16w: y = x @ w^T (+ bias) for a few fp32 input rows against a bf16 weight. A decode or
+// draft step multiplies a handful of rows by every weight of the layer, and those weights come from
+// memory each step (L3 or DRAM: ~10-25 GB/s on one core), so half the bytes is most of the time. On
+// a CPU with native bf16 math oneDNN's bf16 GEMM is no better at these sizes: it converts the input
+// and pays ~30 us a call (benchmarks/results/bf16_linear.txt). bf16 -> fp32 is exact (the top 16
+// bits), so every product is the fp32 product of the rounded weight; the sums are fp32 in another
+// order than MKL's.
+//
+// mtp_layer: the whole MTP layer (norms, input_proj, the decoder block with its paged attention,
+// final norm) in one call for a step's few rows. In Python the layer is ~40 torch ops whose
+// dispatch cost more than their arithmetic (~0.35 ms a draft at batch 1, 1 core); drafts need no
+// bit-exactness (the target verifies them), only speed.
+//
+// Loop order of a linear: blocks of NB output features, whose weight rows (NB * K bf16, <= 11 KB at
+// K = 704) stay in L1 while every input row passes over them, so the weight is read from memory
+// once whatever the row count. Inside a block, two features and up to four rows at a time: eight
+// accumulators of 8 lanes each.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PDSERVE_AVX2 1
+#endif
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t NB = 8;  // output features per block
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Rows [r0, r0 + R) of x against features [n0, n1) of w, the K % 8 tail included.
+template <int R>
+void rows_times_block(const float* x, int64_t K, const uint16_t* w, const float* bias, float* y, int64_t N,
+                      int64_t r0, int64_t n0, int64_t n1) {
+  const int64_t k8 = K - K % 8;
+  int64_t n = n0;
+#ifdef PDSERVE_AVX2
+  for (; n + 2 <= n1; n += 2) {
+    const uint16_t* w0 = w + n * K;
+    const uint16_t* w1 = w0 + K;
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k8; k += 8) {
+      // bf16 -> fp32: widen to 32 bits and shift into the high half.
+      const __m256 a = _mm256_castsi256_ps(
+          _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0 + k))), 16));
+      const __m256 b = _mm256_castsi256_ps(
+          _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w1 + k))), 16));
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + (r0 + r) * K + k);
+        acc[r][0] = _mm256_fmadd_ps(xv, a, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xv, b, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      // Both features' 8 lanes summed at once: hadd pairs them up, then the two 128-bit halves.
+      const __m256 h = _mm256_hadd_ps(acc[r][0], acc[r][1]);  // a01 a23 b01 b23 | a45 a67 b45 b67
+      const __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      const __m128 t = _mm_hadd_ps(s, s);  // a b a b
+      float sums[4];
+      _mm_storeu_ps(sums, t);
+      const float* xr = x + (r0 + r) * K;
+      for (int64_t k = k8; k < K; ++k) {
+        sums[0] += xr[k] * bf16_to_float(w0[k]);
+        sums[1] += xr[k] * bf16_to_float(w1[k]);
+      }
+      y[(r0 + r) * N + n] = sums[0] + (bias ? bias[n] : 0.f);
+      y[(r0 + r) * N + n + 1] = sums[1] + (bias ? bias[n + 1] : 0.f);
+    }
+  }
+#endif
+  for (; n < n1; ++n) {  // (every feature where there is no AVX2)
+    const uint16_t* wn = w + n * K;
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + (r0 + r) * K;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t k = 0; k < K; ++k) sum += xr[k] * bf16_to_float(wn[k]);
+      y[(r0 + r) * N + n] = sum + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+
+// y[M, N] = x[M, K] @ w[N, K]^T (+ bias), w in bf16.
+void linear_into(const float* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t N, const float* b, float* yp) {
+  const int64_t blocks = (N + NB - 1) / NB;
+  // Threads only for big weights: at decode sizes waking a second thread costs more than it saves.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, NB * K * std::max<int64_t>(M, 1)));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * NB, n1 = std::min(N, n0 + NB);
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) rows_times_block<4>(xp, K, wp, b, yp, N, r, n0, n1);
+      switch (M - r) {
+        case 3: rows_times_block<3>(xp, K, wp, b, yp, N, r, n0, n1); break;
+        case 2: rows_times_block<2>(xp, K, wp, b, yp, N, r, n0, n1); break;
+        case 1: rows_times_block<1>(xp, K, wp, b, yp, N, r, n0, n1); break;
+        default: break;
+      }
+    }
+  });
+}
+
+at::Tensor linear_bf16w(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
+                  weight.is_contiguous() && weight.size(1) == x.size(1),
+              "weight must be a contiguous [out, in] bfloat16 CPU tensor matching x's columns");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == weight.size(0),
+                "bias must be a contiguous float32 tensor of the weight's rows");
+    b = bias->data_ptr<float>();
+  }
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  linear_into(x.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), N, b,
+              y.data_ptr<float>());
+  return y;
+}
+
+
+// ---------------------------------------------------------------- the fused MTP layer
+
+const uint16_t* bf16_weight(const at::Tensor& w, int64_t rows, int64_t cols, const char* name) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 2 && w.size(0) == rows &&
+                  w.size(1) == cols,
+              "mtp_layer: ", name, " must be a contiguous [", rows, ", ", cols, "] bfloat16 weight");
+  return reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+}
+
+const float* fp32_vector(const at::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n,
+              "mtp_layer: ", name, " must be a contiguous float32 tensor of ", n, " elements");
+  return t.data_ptr<float>();
+}
+
+const float* optional_bias(const c10::optional<at::Tensor>& b, int64_t n, const char* name) {
+  return b.has_value() && b->defined() ? fp32_vector(*b, n, name) : nullptr;
+}
+
+// dst = src * rsqrt(mean(src^2) + eps) * w over n elements.
+void rms_norm_row(const float* src, const float* w, float* dst, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += src[i] * src[i];
+  const float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * scale * w[i];
+}
+
+// x [d] rotated in place as transformers' rotate-half RoPE; cs: cos then sin, d each.
+void rope_row(float* x, const float* cs, int64_t d) {
+  const int64_t half = d / 2;
+  const float* c = cs;
+  const float* s = cs + d;
+  for (int64_t k = 0; k < half; ++k) {
+    const float a = x[k], b = x[k + half];
+    x[k] = a * c[k] - b * s[k];
+    x[k + half] = b * c[k + half] + a * s[k + half];
+  }
+}
+
+using PagedAttention = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
+                            at::Tensor&);
+
+// hidden [T, H]: the target's final hidden states h_i; input_ids [T] int32: x_{i+1}; positions [T]
+// int64. Rows of the step (block_table [R, max_blocks], query_start / query_len / seq_lens [R] int32)
+// own consecutive tokens. norms: hidden_layernorm, token_layernorm, input_layernorm,
+// post_attention_layernorm, final_layernorm[, q_norm, k_norm]; weights (bf16): input_proj, qkv_proj,
+// o_proj, gate_up_proj, down_proj, with their optional fp32 biases. Writes the layer's K/V into
+// k_cache / v_cache ([slots, kv_heads, head_dim]) and returns the final-normed hidden states [T, H].
+at::Tensor mtp_layer(const at::Tensor& hidden, const at::Tensor& input_ids, const at::Tensor& positions,
+                     const at::Tensor& embed, const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
+                     const c10::List<c10::optional<at::Tensor>>& biases, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& query_start,
+                     const at::Tensor& query_len, const at::Tensor& seq_lens, int64_t block_size,
+                     int64_t sliding_window, int64_t num_heads, double eps_d, bool zero_position0) {
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
+              "mtp_layer: hidden must be a contiguous [tokens, hidden] float32 tensor");
+  const int64_t T = hidden.size(0), H = hidden.size(1);
+  TORCH_CHECK(input_ids.scalar_type() == at::kInt && input_ids.numel() == T && input_ids.is_contiguous(),
+              "mtp_layer: input_ids must be int32, one per token");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T && positions.is_contiguous(),
+              "mtp_layer: positions must be int64, one per token");
+  TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.dim() == 2 && embed.size(1) == H && embed.is_contiguous(),
+              "mtp_layer: embed must be a contiguous [vocab, hidden] float32 tensor");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.dim() == 3 && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() && v_cache.scalar_type() == at::kFloat,
+              "mtp_layer: the caches must be contiguous [slots, kv_heads, head_dim] float32 tensors");
+  const int64_t nkv = k_cache.size(1), D = k_cache.size(2), nh = num_heads, Q = nh * D, KV = nkv * D;
+  TORCH_CHECK(norms.size() == 5 || norms.size() == 7, "mtp_layer: 5 norms, or 7 with q_norm and k_norm");
+  TORCH_CHECK(weights.size() == 5 && biases.size() == 5, "mtp_layer: 5 weights and 5 (optional) biases");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() && cos_sin.dim() == 4 &&
+                  cos_sin.size(1) == 2 && cos_sin.size(3) == D,
+              "mtp_layer: cos_sin must be the [positions, 2, 1, head_dim] float32 table");
+  const int64_t I = weights[3].size(0) / 2;  // intermediate size
+  const uint16_t* w_in = bf16_weight(weights[0], H, 2 * H, "input_proj");
+  const uint16_t* w_qkv = bf16_weight(weights[1], Q + 2 * KV, H, "qkv_proj");
+  const uint16_t* w_o = bf16_weight(weights[2], H, Q, "o_proj");
+  const uint16_t* w_gu = bf16_weight(weights[3], 2 * I, H, "gate_up_proj");
+  const uint16_t* w_down = bf16_weight(weights[4], H, I, "down_proj");
+  const float* b_in = optional_bias(biases.get(0), H, "input_proj bias");
+  const float* b_qkv = optional_bias(biases.get(1), Q + 2 * KV, "qkv_proj bias");
+  const float* b_o = optional_bias(biases.get(2), H, "o_proj bias");
+  const float* b_gu = optional_bias(biases.get(3), 2 * I, "gate_up_proj bias");
+  const float* b_down = optional_bias(biases.get(4), H, "down_proj bias");
+  const float* n_hidden = fp32_vector(norms[0], H, "hidden_layernorm");
+  const float* n_token = fp32_vector(norms[1], H, "token_layernorm");
+  const float* n_input = fp32_vector(norms[2], H, "input_layernorm");
+  const float* n_post = fp32_vector(norms[3], H, "post_attention_layernorm");
+  const float* n_final = fp32_vector(norms[4], H, "final_layernorm");
+  const float* n_q = norms.size() == 7 ? fp32_vector(norms[5], D, "q_norm") : nullptr;
+  const float* n_k = norms.size() == 7 ? fp32_vector(norms[6], D, "k_norm") : nullptr;
+  const int64_t R = seq_lens.numel(), max_blocks = block_table.size(1), max_pos = cos_sin.size(0);
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.size(0) == R &&
+                  query_start.scalar_type() == at::kInt && query_len.scalar_type() == at::kInt &&
+                  seq_lens.scalar_type() == at::kInt && query_start.numel() == R && query_len.numel() == R,
+              "mtp_layer: block_table [rows, max_blocks] and query_start / query_len / seq_lens [rows], all int32");
+  const float eps = static_cast<float>(eps_d);
+  const int32_t* ids = input_ids.data_ptr<int32_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  const int32_t* ql = query_len.data_ptr<int32_t>();
+  const int64_t vocab = embed.size(0), num_slots = k_cache.size(0);
+
+  // 1. input_proj(cat[hidden_layernorm(h), token_layernorm(embed(x))]), the embedding zeroed at position 0.
+  at::Tensor cat = at::empty({T, 2 * H}, hidden.options());
+  float* catp = cat.data_ptr<float>();
+  const float* hp = hidden.data_ptr<float>();
+  const float* ep = embed.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "mtp_layer: token id ", ids[t], " out of range");
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "mtp_layer: position ", pos[t], " out of range");
+    rms_norm_row(hp + t * H, n_hidden, catp + t * 2 * H, H, eps);
+    if (zero_position0 && pos[t] == 0) {
+      std::fill(catp + t * 2 * H + H, catp + (t + 1) * 2 * H, 0.f);
+    } else {
+      rms_norm_row(ep + static_cast<int64_t>(ids[t]) * H, n_token, catp + t * 2 * H + H, H, eps);
+    }
+  }
+  at::Tensor x = at::empty({T, H}, hidden.options());
+  float* xp = x.data_ptr<float>();
+  linear_into(catp, T, 2 * H, w_in, H, b_in, xp);
+
+  // 2. Attention: q/k/v, RoPE, K/V into the cache, the paged kernel, o_proj, residual.
+  at::Tensor normed = at::empty({T, std::max(H, 2 * I)}, hidden.options());
+  float* np_ = normed.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) rms_norm_row(xp + t * H, n_input, np_ + t * H, H, eps);
+  at::Tensor qkv = at::empty({T, Q + 2 * KV}, hidden.options());
+  float* qkvp = qkv.data_ptr<float>();
+  linear_into(np_, T, H, w_qkv, Q + 2 * KV, b_qkv, qkvp);
+  at::Tensor q = at::empty({T, nh, D}, hidden.options());
+  float* qp = q.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t t = qs[r]; t < qs[r] + ql[r]; ++t) {
+      TORCH_CHECK(t < T && pos[t] / block_size < max_blocks, "mtp_layer: token ", t, " outside the step's layout");
+      const int64_t slot = static_cast<int64_t>(bt[r * max_blocks + pos[t] / block_size]) * block_size + pos[t] % block_size;
+      TORCH_CHECK(slot >= 0 && slot < num_slots, "mtp_layer: cache slot ", slot, " out of range");
+      const float* cs = cos_sin.data_ptr<float>() + pos[t] * 2 * D;
+      float* row = qkvp + t * (Q + 2 * KV);
+      for (int64_t h = 0; h < nh + nkv; ++h) {
+        float* head = row + h * D;
+        if (n_q != nullptr) rms_norm_row(head, h < nh ? n_q : n_k, head, D, eps);
+        rope_row(head, cs, D);
+      }
+      std::copy(row, row + Q, qp + t * Q);
+      std::copy(row + Q, row + Q + KV, kc + slot * KV);
+      std::copy(row + Q + KV, row + Q + 2 * KV, vc + slot * KV);
+    }
+  }
+  at::Tensor attn = at::empty({T, nh, D}, hidden.options());
+  static auto paged = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow("pdserve_cpu::paged_attention", "")
+                          .typed<PagedAttention>();
+  paged.call(q, k_cache, v_cache, block_table, query_start, query_len, seq_lens, block_size, sliding_window,
+             1.0 / std::sqrt(static_cast<double>(D)), attn);
+  at::Tensor o = at::empty({T, H}, hidden.options());
+  float* op = o.data_ptr<float>();
+  linear_into(attn.data_ptr<float>(), T, Q, w_o, H, b_o, op);
+  for (int64_t i = 0; i < T * H; ++i) xp[i] += op[i];
+
+  // 3. MLP: down(silu(gate) * up), residual.
+  for (int64_t t = 0; t < T; ++t) rms_norm_row(xp + t * H, n_post, np_ + t * H, H, eps);
+  at::Tensor gu = at::empty({T, 2 * I}, hidden.options());
+  float* gup = gu.data_ptr<float>();
+  linear_into(np_, T, H, w_gu, 2 * I, b_gu, gup);
+  float* act = np_;  // (the normed input is spent)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = gup + t * 2 * I;
+    for (int64_t i = 0; i < I; ++i) act[t * I + i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+  }
+  linear_into(act, T, I, w_down, H, b_down, op);
+  for (int64_t i = 0; i < T * H; ++i) xp[i] += op[i];
+
+  // 4. final_layernorm.
+  at::Tensor out = at::empty({T, H}, hidden.options());
+  float* outp = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) rms_norm_row(xp + t * H, n_final, outp + t * H, H, eps);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_bf16, m) {
+  m.def("linear_bf16w(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def(
+      "mtp_layer(Tensor hidden, Tensor input_ids, Tensor positions, Tensor embed, Tensor cos_sin, Tensor[] norms, "
+      "Tensor[] weights, Tensor?[] biases, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, "
+      "Tensor query_start, Tensor query_len, Tensor seq_lens, int block_size, int sliding_window, int num_heads, "
+      "float eps, bool zero_position0) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_bf16, CPU, m) {
+  m.impl("linear_bf16w", &linear_bf16w);
+  m.impl("mtp_layer", &mtp_layer);
+}
