@@ -94,25 +94,29 @@ def test_bf16_weight_drafter_is_exact(draft_vocab, mtp_checkpoints, references, 
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_fused_mtp_layer_matches_the_torch_layer(arch, mtp_checkpoints):
-    """The MTP layer as one C++ op (mtp_layer) against the same layer op by op, on a step with a
-    verify-like row and a row starting at position 0 (its token embedding zeroed): the same hidden
-    states and the same K/V written into the cache (Qwen3: q/k norms; Llama: llama3 RoPE scaling)."""
+@pytest.mark.parametrize("query_lens", [(3, 2), (5, 4, 6)])
+def test_fused_mtp_layer_matches_the_torch_layer(arch, query_lens, mtp_checkpoints):
+    """The MTP layer as one C++ op (mtp_layer) against the same layer op by op: the same hidden
+    states and the same K/V written into the cache. The last row starts at position 0 (its token
+    embedding zeroed); (3, 2) runs the bf16 weights, (5, 4, 6) -- more than BF16_MAX_ROWS tokens --
+    the fp32 ones. Qwen3 has q/k norms, Llama llama3 RoPE scaling, Qwen2 q/k/v biases."""
     import numpy as np
 
     from worker.attention import AttentionContext
     from worker.input_batch import StepLayout
 
-    llm = LLM(str(mtp_checkpoints[arch]), max_model_len=128, max_num_seqs=2, block_size=4,
+    llm = LLM(str(mtp_checkpoints[arch]), max_model_len=128, max_num_seqs=3, block_size=4,
               speculative_method="mtp", num_speculative_tokens=2, draft_dtype="bfloat16")
     runner = llm.engine.runner
     model, layer = runner.model, runner.model.model.mtp_layers[0]
     assert layer.fused is not None
-    layout = StepLayout(np.array([[3, 4, 5, 0], [6, 7, 0, 0]], np.int32), np.array([5, 0], np.int32),
-                        np.array([3, 2], np.int32))
+    rows = len(query_lens)
+    tables = np.arange(1, 1 + 4 * rows, dtype=np.int32).reshape(rows, 4)
+    layout = StepLayout(tables, np.array([5] * (rows - 1) + [0], np.int32), np.array(query_lens, np.int32))
+    tokens = sum(query_lens)
     g = torch.Generator().manual_seed(3)
-    hidden = torch.randn(5, model.config.hidden_size, generator=g)
-    ids = torch.randint(0, model.config.vocab_size, (5,), generator=g, dtype=torch.int32)
+    hidden = torch.randn(tokens, model.config.hidden_size, generator=g)
+    ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=g, dtype=torch.int32)
     runner.kv_cache.normal_(generator=g)
     before = runner.kv_cache.clone()
     results = []

@@ -105,8 +105,10 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
     # (rounded before packing, which may free the fp32 weights)
     halves = [(lin, lin.weight.detach().to(torch.bfloat16)) for lin in model.draft_linears()] if bf16_weights else []
     head = model.lm_head.weight.detach().to(torch.bfloat16) if bf16_weights and model.draft_head is None else None
-    pack_linears(model, device, shared={id(model.model.embed_tokens.weight)},
-                 skip=model.model.layers if compiled else None)
+    # Unpacked: compiled layers (torch.compile cannot trace a packed weight), and the MTP layers of a
+    # bf16-weight drafter, whose fused op multiplies bigger inputs by the plain fp32 weight.
+    skip = ([model.model.layers] if compiled else []) + ([model.model.mtp_layers] if bf16_weights else [])
+    pack_linears(model, device, shared={id(model.model.embed_tokens.weight)}, skip=skip)
     for lin, half in halves:
         lin.keep_bf16(half)
     if head is not None:

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -183,18 +184,39 @@ using PagedAttention = void(const at::Tensor&, const at::Tensor&, const at::Tens
                             const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, double,
                             at::Tensor&);
 
+// One projection of the layer: the bf16 weight (fp32 arithmetic) for inputs of at most
+// `bf16_max_rows` rows, else the fp32 weight through MKL (where a bigger input is a GEMM that
+// computes, not a weight read), where the layer has it.
+struct Projection {
+  const at::Tensor& bf16;
+  const at::Tensor& fp32;  // undefined or empty where the layer keeps only the bf16 weight
+  const float* bias;
+  c10::optional<at::Tensor> bias_tensor;
+
+  at::Tensor operator()(const at::Tensor& x, int64_t bf16_max_rows) const {
+    const int64_t M = x.size(0), K = x.size(1), N = bf16.size(0);
+    if (M > bf16_max_rows && fp32.defined() && fp32.numel()) return at::linear(x, fp32, bias_tensor);
+    at::Tensor y = at::empty({M, N}, x.options());
+    linear_into(x.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(bf16.data_ptr<at::BFloat16>()), N, bias,
+                y.data_ptr<float>());
+    return y;
+  }
+};
+
 // hidden [T, H]: the target's final hidden states h_i; input_ids [T] int32: x_{i+1}; positions [T]
 // int64. Rows of the step (block_table [R, max_blocks], query_start / query_len / seq_lens [R] int32)
 // own consecutive tokens. norms: hidden_layernorm, token_layernorm, input_layernorm,
-// post_attention_layernorm, final_layernorm[, q_norm, k_norm]; weights (bf16): input_proj, qkv_proj,
-// o_proj, gate_up_proj, down_proj, with their optional fp32 biases. Writes the layer's K/V into
-// k_cache / v_cache ([slots, kv_heads, head_dim]) and returns the final-normed hidden states [T, H].
+// post_attention_layernorm, final_layernorm[, q_norm, k_norm]; weights (bf16) and fp32_weights (or
+// empty tensors): input_proj, qkv_proj, o_proj, gate_up_proj, down_proj, with their optional fp32
+// biases. Writes the layer's K/V into k_cache / v_cache ([slots, kv_heads, head_dim]) and returns
+// the final-normed hidden states [T, H].
 at::Tensor mtp_layer(const at::Tensor& hidden, const at::Tensor& input_ids, const at::Tensor& positions,
                      const at::Tensor& embed, const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
-                     const c10::List<c10::optional<at::Tensor>>& biases, const at::Tensor& k_cache,
-                     const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& query_start,
-                     const at::Tensor& query_len, const at::Tensor& seq_lens, int64_t block_size,
-                     int64_t sliding_window, int64_t num_heads, double eps_d, bool zero_position0) {
+                     at::TensorList fp32_weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                     const at::Tensor& query_start, const at::Tensor& query_len, const at::Tensor& seq_lens,
+                     int64_t block_size, int64_t sliding_window, int64_t num_heads, double eps_d, bool zero_position0,
+                     int64_t bf16_max_rows) {
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
               "mtp_layer: hidden must be a contiguous [tokens, hidden] float32 tensor");
   const int64_t T = hidden.size(0), H = hidden.size(1);
@@ -209,21 +231,24 @@ at::Tensor mtp_layer(const at::Tensor& hidden, const at::Tensor& input_ids, cons
               "mtp_layer: the caches must be contiguous [slots, kv_heads, head_dim] float32 tensors");
   const int64_t nkv = k_cache.size(1), D = k_cache.size(2), nh = num_heads, Q = nh * D, KV = nkv * D;
   TORCH_CHECK(norms.size() == 5 || norms.size() == 7, "mtp_layer: 5 norms, or 7 with q_norm and k_norm");
-  TORCH_CHECK(weights.size() == 5 && biases.size() == 5, "mtp_layer: 5 weights and 5 (optional) biases");
+  TORCH_CHECK(weights.size() == 5 && fp32_weights.size() == 5 && biases.size() == 5,
+              "mtp_layer: 5 weights, 5 fp32 weights (or empty tensors) and 5 (optional) biases");
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() && cos_sin.dim() == 4 &&
                   cos_sin.size(1) == 2 && cos_sin.size(3) == D,
               "mtp_layer: cos_sin must be the [positions, 2, 1, head_dim] float32 table");
   const int64_t I = weights[3].size(0) / 2;  // intermediate size
-  const uint16_t* w_in = bf16_weight(weights[0], H, 2 * H, "input_proj");
-  const uint16_t* w_qkv = bf16_weight(weights[1], Q + 2 * KV, H, "qkv_proj");
-  const uint16_t* w_o = bf16_weight(weights[2], H, Q, "o_proj");
-  const uint16_t* w_gu = bf16_weight(weights[3], 2 * I, H, "gate_up_proj");
-  const uint16_t* w_down = bf16_weight(weights[4], H, I, "down_proj");
-  const float* b_in = optional_bias(biases.get(0), H, "input_proj bias");
-  const float* b_qkv = optional_bias(biases.get(1), Q + 2 * KV, "qkv_proj bias");
-  const float* b_o = optional_bias(biases.get(2), H, "o_proj bias");
-  const float* b_gu = optional_bias(biases.get(3), 2 * I, "gate_up_proj bias");
-  const float* b_down = optional_bias(biases.get(4), H, "down_proj bias");
+  const int64_t in_features[5] = {2 * H, H, Q, H, I}, out_features[5] = {H, Q + 2 * KV, H, 2 * I, H};
+  const char* names[5] = {"input_proj", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"};
+  std::vector<Projection> proj;
+  for (int i = 0; i < 5; ++i) {
+    bf16_weight(weights[i], out_features[i], in_features[i], names[i]);
+    const at::Tensor& w32 = fp32_weights[i];
+    TORCH_CHECK(!w32.defined() || !w32.numel() ||
+                    (w32.scalar_type() == at::kFloat && w32.sizes() == weights[i].sizes()),
+                "mtp_layer: the fp32 ", names[i], " weight must match its bf16 one");
+    const c10::optional<at::Tensor> b = biases.get(i);
+    proj.push_back(Projection{weights[i], w32, optional_bias(b, out_features[i], names[i]), b});
+  }
   const float* n_hidden = fp32_vector(norms[0], H, "hidden_layernorm");
   const float* n_token = fp32_vector(norms[1], H, "token_layernorm");
   const float* n_input = fp32_vector(norms[2], H, "input_layernorm");
@@ -243,6 +268,11 @@ at::Tensor mtp_layer(const at::Tensor& hidden, const at::Tensor& input_ids, cons
   const int32_t* qs = query_start.data_ptr<int32_t>();
   const int32_t* ql = query_len.data_ptr<int32_t>();
   const int64_t vocab = embed.size(0), num_slots = k_cache.size(0);
+  const auto norm_rows = [&](const at::Tensor& src, const float* w) {
+    at::Tensor dst = at::empty({T, H}, hidden.options());
+    for (int64_t t = 0; t < T; ++t) rms_norm_row(src.data_ptr<float>() + t * H, w, dst.data_ptr<float>() + t * H, H, eps);
+    return dst;
+  };
 
   // 1. input_proj(cat[hidden_layernorm(h), token_layernorm(embed(x))]), the embedding zeroed at position 0.
   at::Tensor cat = at::empty({T, 2 * H}, hidden.options());
@@ -259,17 +289,11 @@ at::Tensor mtp_layer(const at::Tensor& hidden, const at::Tensor& input_ids, cons
       rms_norm_row(ep + static_cast<int64_t>(ids[t]) * H, n_token, catp + t * 2 * H + H, H, eps);
     }
   }
-  at::Tensor x = at::empty({T, H}, hidden.options());
-  float* xp = x.data_ptr<float>();
-  linear_into(catp, T, 2 * H, w_in, H, b_in, xp);
+  at::Tensor x = proj[0](cat, bf16_max_rows);
 
   // 2. Attention: q/k/v, RoPE, K/V into the cache, the paged kernel, o_proj, residual.
-  at::Tensor normed = at::empty({T, std::max(H, 2 * I)}, hidden.options());
-  float* np_ = normed.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) rms_norm_row(xp + t * H, n_input, np_ + t * H, H, eps);
-  at::Tensor qkv = at::empty({T, Q + 2 * KV}, hidden.options());
+  at::Tensor qkv = proj[1](norm_rows(x, n_input), bf16_max_rows);
   float* qkvp = qkv.data_ptr<float>();
-  linear_into(np_, T, H, w_qkv, Q + 2 * KV, b_qkv, qkvp);
   at::Tensor q = at::empty({T, nh, D}, hidden.options());
   float* qp = q.data_ptr<float>();
   float* kc = k_cache.data_ptr<float>();
@@ -297,29 +321,21 @@ at::Tensor mtp_layer(const at::Tensor& hidden, const at::Tensor& input_ids, cons
                           .typed<PagedAttention>();
   paged.call(q, k_cache, v_cache, block_table, query_start, query_len, seq_lens, block_size, sliding_window,
              1.0 / std::sqrt(static_cast<double>(D)), attn);
-  at::Tensor o = at::empty({T, H}, hidden.options());
-  float* op = o.data_ptr<float>();
-  linear_into(attn.data_ptr<float>(), T, Q, w_o, H, b_o, op);
-  for (int64_t i = 0; i < T * H; ++i) xp[i] += op[i];
+  x.add_(proj[2](attn.view({T, Q}), bf16_max_rows));
 
   // 3. MLP: down(silu(gate) * up), residual.
-  for (int64_t t = 0; t < T; ++t) rms_norm_row(xp + t * H, n_post, np_ + t * H, H, eps);
-  at::Tensor gu = at::empty({T, 2 * I}, hidden.options());
-  float* gup = gu.data_ptr<float>();
-  linear_into(np_, T, H, w_gu, 2 * I, b_gu, gup);
-  float* act = np_;  // (the normed input is spent)
+  at::Tensor gu = proj[3](norm_rows(x, n_post), bf16_max_rows);
+  at::Tensor act = at::empty({T, I}, hidden.options());
+  const float* gup = gu.data_ptr<float>();
+  float* actp = act.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     const float* g = gup + t * 2 * I;
-    for (int64_t i = 0; i < I; ++i) act[t * I + i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+    for (int64_t i = 0; i < I; ++i) actp[t * I + i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
   }
-  linear_into(act, T, I, w_down, H, b_down, op);
-  for (int64_t i = 0; i < T * H; ++i) xp[i] += op[i];
+  x.add_(proj[4](act, bf16_max_rows));
 
   // 4. final_layernorm.
-  at::Tensor out = at::empty({T, H}, hidden.options());
-  float* outp = out.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) rms_norm_row(xp + t * H, n_final, outp + t * H, H, eps);
-  return out;
+  return norm_rows(x, n_final);
 }
 
 }  // namespace
@@ -328,9 +344,9 @@ TORCH_LIBRARY(pdserve_bf16, m) {
   m.def("linear_bf16w(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def(
       "mtp_layer(Tensor hidden, Tensor input_ids, Tensor positions, Tensor embed, Tensor cos_sin, Tensor[] norms, "
-      "Tensor[] weights, Tensor?[] biases, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, "
-      "Tensor query_start, Tensor query_len, Tensor seq_lens, int block_size, int sliding_window, int num_heads, "
-      "float eps, bool zero_position0) -> Tensor");
+      "Tensor[] weights, Tensor[] fp32_weights, Tensor?[] biases, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor block_table, Tensor query_start, Tensor query_len, Tensor seq_lens, int block_size, int sliding_window, "
+      "int num_heads, float eps, bool zero_position0, int bf16_max_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_bf16, CPU, m) {

@@ -24,7 +24,7 @@ import functools
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -100,12 +100,12 @@ def can_pack(dtype: torch.dtype, device: str) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16_cpu())
 
 
-def pack_linears(model: nn.Module, device: str, shared: set[int], skip: nn.Module | None = None) -> None:
+def pack_linears(model: nn.Module, device: str, shared: set[int], skip: Sequence[nn.Module] = ()) -> None:
     """Pack every `Linear` of `model` whose dtype oneDNN handles well here, then choose per weight
     shape between the packed and the plain weight by row count (`tune_linears`) and free what is
     never used; weights whose id is in `shared` (tied embeddings) are always kept. Linears inside
-    `skip` (a part torch.compile will compile, which cannot trace a packed weight) stay plain."""
-    unpacked = {id(m) for m in skip.modules()} if skip is not None else set()
+    the modules of `skip` stay plain."""
+    unpacked = {id(m) for part in skip for m in part.modules()}
     packed = [m for m in model.modules()
               if isinstance(m, Linear) and id(m) not in unpacked and can_pack(m.weight.dtype, device)]
     for module in packed:

@@ -15,16 +15,13 @@ from torch import nn
 from engine.config import ModelConfig
 from worker.attention import AttentionContext
 from worker.models.layers import AttentionBackend, DecoderLayer, RMSNorm, RotaryEmbedding
-from worker.models.linear import Linear
-
-# Steps of at most this many tokens run the fused layer; more (a prompt's MTP pass on a prefill
-# engine, a stash flush) are compute-bound, where the packed fp32 GEMMs of the torch path win.
-FUSED_MAX_TOKENS = 16
+from worker.models.linear import BF16_MAX_ROWS, Linear
 
 
 class FusedWeights(NamedTuple):
     norms: list[torch.Tensor]          # hidden, token, input, post-attention, final[, q, k] norms (fp32)
     weights: list[torch.Tensor]        # input_proj, qkv, o, gate_up, down (bf16)
+    fp32_weights: list[torch.Tensor]   # the same in fp32, for inputs of more than BF16_MAX_ROWS rows
     biases: list[torch.Tensor | None]
     num_heads: int
     eps: float
@@ -43,26 +40,28 @@ class MTPLayer(DecoderLayer):
     def fuse(self) -> None:
         """Run as one C++ op (`mtp_layer`, worker/csrc/bf16_linear.cpp) where a step allows it: on a
         CPU, for a float32 target whose drafter keeps bf16 weights with fp32 arithmetic (every
-        Linear here has `keep_bf16`), and the C++ paged-attention kernel. The ~40 torch ops of the
-        layer cost more in dispatch than in arithmetic at a few rows."""
+        Linear here has `keep_bf16` and its plain fp32 weight), and the C++ paged-attention kernel.
+        The ~40 torch ops of the layer cost more in dispatch than in arithmetic at a few rows."""
         attn, mlp = self.self_attn, self.mlp
         linears = [self.input_proj, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
         norms = [self.hidden_layernorm, self.token_layernorm, self.input_layernorm, self.post_attention_layernorm,
                  self.final_layernorm] + ([attn.q_norm, attn.k_norm] if attn.qk_norm else [])
         self.fused = FusedWeights([n.weight.detach().float().contiguous() for n in norms],
-                                  [lin.bf16 for lin in linears], [lin.bias for lin in linears], attn.num_heads,
-                                  self.input_layernorm.eps)
+                                  [lin.bf16 for lin in linears], [lin.weight.detach() for lin in linears],
+                                  [lin.bias for lin in linears], attn.num_heads, self.input_layernorm.eps)
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
                 embed: nn.Embedding, rope: RotaryEmbedding, attn: AttentionBackend,
                 has_position0: bool) -> torch.Tensor:
-        if self.fused is not None and hidden.shape[0] <= FUSED_MAX_TOKENS and hidden.dtype == torch.float32:
+        # Steps whose rows are all short (decode, verify, drafts: the paged kernel's) run fused;
+        # prefill chunks, which attend with SDPA, and compute more than they dispatch, do not.
+        if self.fused is not None and hidden.dtype == torch.float32:
             paged = attn.paged_inputs(self.self_attn.layer_idx) if isinstance(attn, AttentionContext) else None
             if paged is not None:
                 f = self.fused
                 out = torch.ops.pdserve_bf16.mtp_layer(
                     hidden.contiguous(), input_ids.to(torch.int32), positions, embed.weight, rope.cos_sin, f.norms,
-                    f.weights, f.biases, *paged[:6], paged[6], paged[7], f.num_heads, f.eps, has_position0)
+                    f.weights, f.fp32_weights, f.biases, *paged, f.num_heads, f.eps, has_position0, BF16_MAX_ROWS)
                 if attn.tap is not None:
                     attn.tap(self.self_attn.layer_idx)
                 return out
