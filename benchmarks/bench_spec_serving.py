@@ -66,7 +66,7 @@ def run_load(port: int, flags: list[str], temp: float, warm_up: bool = False) ->
         bench_serving.benchmark(bench_serving.parse_args([*common, "--num-prompts", "2"]))
     r = bench_serving.benchmark(bench_serving.parse_args(common))
     spec = r.get("spec_decode") or {}
-    return {"tok_s": r["output_throughput"], "itl_p50": r["median_itl_ms"],
+    return {"tok_s": r["output_throughput"], "itl_p50": r["median_itl_ms"], "ttft_p50": r["median_ttft_ms"],
             "accept_len": spec.get("acceptance_length") or float("nan"), "failed": r["failed"],
             "chosen_k": spec.get("chosen_k") or []}
 
@@ -122,14 +122,15 @@ def main() -> None:
              f"`--speculative-method none`, both up for the whole run, taking turns workload by workload; "
              f"{len(runs['mtp'])} round(s); MTP / no spec is the median of the per-round ratios.", "",
              "| workload | no spec tok/s | MTP tok/s | MTP / no spec | per round | ITL p50 no spec / MTP (ms) | "
-             "MTP acceptance length | MTP steps by k chosen (mean share) | failed |",
-             "|---|---:|---:|---:|---|---:|---:|---|---:|"]
+             "TTFT p50 no spec / MTP (ms) | MTP acceptance length | MTP steps by k chosen (mean share) | failed |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---|---:|"]
     for key in keys:
         base, mtp = med("none", key, "tok_s"), med("mtp", key, "tok_s")
         failed = sum(r[key]["failed"] for s in runs for r in runs[s])
         lines.append(f"| {key} | {base:.1f} | {mtp:.1f} | {statistics.median(ratios(key)):.2f}x | "
                      f"{' '.join(f'{r:.2f}' for r in ratios(key))} | {med('none', key, 'itl_p50'):.1f} / "
-                     f"{med('mtp', key, 'itl_p50'):.1f} | {med('mtp', key, 'accept_len'):.2f} | "
+                     f"{med('mtp', key, 'itl_p50'):.1f} | {med('none', key, 'ttft_p50'):.1f} / "
+                     f"{med('mtp', key, 'ttft_p50'):.1f} | {med('mtp', key, 'accept_len'):.2f} | "
                      f"{chosen_k(r[key]['chosen_k'] for r in runs['mtp'])} | {failed} |")
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)

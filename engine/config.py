@@ -141,8 +141,13 @@ class EngineConfig:
     num_speculative_tokens: int = 2
     # Precision of the MTP drafter (its layer and the draft lm_head). Drafts are only proposals that
     # the target verifies, so this trades nothing but draft quality for speed. "auto": bfloat16
-    # when the target runs in float32 on hardware with native bf16 math, else the target's dtype.
+    # weights with fp32 arithmetic for a float32 target on a CPU (worker/model_loader.py), else the target's dtype.
     draft_dtype: str = "auto"
+    # The MTP layer attends only the last this many positions (0: all of them). Positions older than
+    # that need no MTP pass at all (worker/drafter.py): on a prefill engine the pass over a prompt
+    # covered every position, ~1/3 more prefill work on the bundled model, whose acceptance is the
+    # same with 32 positions as with all (benchmarks/results/bench_spec.txt). Output is exact either way.
+    mtp_window: int = 64
     # The tokens MTP drafts over (FR-Spec): "auto" the checkpoint's draft_vocab.json where it has one
     # (the bundled model's is the training corpus' most frequent tokens, scripts/make_draft_vocab.py),
     # "full" the whole vocabulary, or a path to such a file. Output is exact either way.
@@ -185,6 +190,8 @@ class EngineConfig:
             raise ValueError(f"draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
         if self.speculative_method and not 1 <= self.num_speculative_tokens <= 8:
             raise ValueError(f"num_speculative_tokens must be in [1, 8], got {self.num_speculative_tokens}")
+        if self.mtp_window < 0:
+            raise ValueError(f"mtp_window must be >= 0 (0: attend every position), got {self.mtp_window}")
         if self.spec_policy not in ("adaptive", "fixed"):
             raise ValueError(f"spec_policy must be adaptive or fixed, got {self.spec_policy!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

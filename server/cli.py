@@ -45,6 +45,7 @@ ENGINE_FLAGS = [
     ("--num-speculative-tokens", int, 3, "draft tokens per step (the most, under --spec-policy adaptive)"),
     ("--spec-policy", str, "adaptive", "adaptive (0..K drafts per step from measured acceptance and cost) | fixed"),
     ("--draft-dtype", str, "auto", "MTP drafter precision: auto | float32 | bfloat16 | float16"),
+    ("--mtp-window", int, 64, "positions the MTP layer attends (0: all); older ones need no MTP pass"),
     ("--draft-vocab", str, "auto", "tokens MTP drafts over: auto (the checkpoint's draft_vocab.json if any) | "
      "full | a path to such a file"),
     ("--num-threads", int, None, "torch threads per engine process"),
@@ -103,8 +104,8 @@ def engine_config(args: argparse.Namespace, role: str = EngineRole.COLOCATED) ->
                         kv_memory_fraction=args.kv_memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
                         dtype=args.dtype, device=args.device, seed=args.seed, num_threads=args.num_threads,
                         speculative_method=method if method != "none" else None, num_speculative_tokens=num_spec,
-                        draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab, enforce_eager=args.enforce_eager,
-                        spec_policy=args.spec_policy)
+                        draft_dtype=args.draft_dtype, mtp_window=args.mtp_window, draft_vocab=args.draft_vocab,
+                        enforce_eager=args.enforce_eager, spec_policy=args.spec_policy)
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:

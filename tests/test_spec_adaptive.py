@@ -280,10 +280,13 @@ def test_min_tokens_ending_inside_the_verify_window(mtp_checkpoints, references,
 # ----------------------------------------------------------------- MTP KV when drafting resumes
 
 
-def drafts_by_position(model: str, prompts, schedule=None, stash_positions: int = 256, monkeypatch=None) -> dict:
-    """Greedy run recording every draft by (request, output index); `schedule(step)` forces k."""
+def drafts_by_position(model: str, prompts, schedule=None, stash_positions: int = 256, monkeypatch=None,
+                       window: int = 0) -> dict:
+    """Greedy run recording every draft by (request, output index); `schedule(step)` forces k;
+    `window`: EngineConfig.mtp_window (0: the MTP layer attends every position)."""
     core = EngineCore(EngineConfig(model=model, max_model_len=160, block_size=4, max_num_seqs=4,
-                                   speculative_method="mtp", num_speculative_tokens=2, spec_policy="fixed"))
+                                   speculative_method="mtp", num_speculative_tokens=2, spec_policy="fixed",
+                                   mtp_window=window))
     runner = core.runner
     runner.drafter.stash_positions = stash_positions
     if schedule is not None:
@@ -302,12 +305,13 @@ def drafts_by_position(model: str, prompts, schedule=None, stash_positions: int 
     monkeypatch.setattr(MTPDrafter, "_draft", recording)
     for i, p in enumerate(prompts):
         core.add_request(p, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True), req_id=f"r{i}")
-    max_pending = 0
+    max_pending, flushes = 0, 0
     while core.has_unfinished():
         core.step()
         max_pending = max(max_pending, int(runner.states.mtp_pending.max()))
+        flushes += runner.drafter.flushed
     monkeypatch.setattr(MTPDrafter, "_draft", original)
-    return {"drafts": seen, "max_pending": max_pending}
+    return {"drafts": seen, "max_pending": max_pending, "flushes": flushes}
 
 
 def test_drafts_after_skipped_steps_match_always_drafting(mtp_checkpoints, monkeypatch):
@@ -324,7 +328,48 @@ def test_drafts_after_skipped_steps_match_always_drafting(mtp_checkpoints, monke
         assert len(common) >= 10 and run["max_pending"] >= 3
         same = sum(run["drafts"][key] == always[key] for key in common)
         assert same >= len(common) - 1, f"{same}/{len(common)} drafts agree"
-    assert flushed["max_pending"] <= 3
+    assert flushed["max_pending"] <= 3 and flushed["flushes"] > 0
+
+
+def test_a_windowed_mtp_layer_drops_what_it_will_not_attend(mtp_checkpoints, monkeypatch):
+    """mtp_window: the MTP layer attends only the last `window` positions, so a full stash drops its
+    oldest positions instead of running the layer over them (no flush), and the drafts equal those of
+    a run that drafted every step with the same window (older positions are never attended)."""
+    model = str(mtp_checkpoints["llama"])
+    prompts = random_prompts(4, 5, 60, VOCAB, 82)
+    always = drafts_by_position(model, prompts, monkeypatch=monkeypatch, window=5)["drafts"]
+    bursty = drafts_by_position(model, prompts, lambda s: 2 if s % 11 == 10 else 0, stash_positions=7,
+                                monkeypatch=monkeypatch, window=5)
+    assert bursty["flushes"] == 0 and bursty["max_pending"] == 7
+    common = set(bursty["drafts"]) & set(always)
+    assert len(common) >= 10
+    same = sum(bursty["drafts"][key] == always[key] for key in common)
+    assert same >= len(common) - 1, f"{same}/{len(common)} drafts agree"
+
+
+def test_a_prompt_pass_covers_the_mtp_window_only(mtp_checkpoints, references, monkeypatch):
+    """With mtp_window=8 the MTP layer runs over the positions a query at the prompt's last one
+    attends (plus one: counted before the handoff token is known) and the last position of every
+    earlier chunk (each row of a pass keeps one: a tapped prompt reports its MTP layer from the pass);
+    the output is still transformers'."""
+    from worker.models.llama import CausalLM
+
+    prompt = random_prompts(1, 100, 100, VOCAB, 83)[0]
+    llm = LLM(str(mtp_checkpoints["qwen2"]), max_model_len=200, block_size=4, max_num_batched_tokens=32,
+              speculative_method="mtp", num_speculative_tokens=2, spec_policy="fixed", mtp_window=8)
+    positions: list[list[int]] = []
+    original = CausalLM.mtp_forward
+
+    def recording(self, layer, hidden, input_ids, pos, attn, has_position0=True):
+        positions.append(pos.tolist())
+        return original(self, layer, hidden, input_ids, pos, attn, has_position0)
+
+    monkeypatch.setattr(CausalLM, "mtp_forward", recording)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+    prefill = [p for p in positions if p and p[-1] < len(prompt)]
+    # Chunks of 32, 32, 32 and 4 tokens: 31, 63, then 91..95 and 96..99.
+    assert sorted(q for p in prefill for q in p) == [31, 63, *range(len(prompt) - 9, len(prompt))], prefill
+    references["qwen2"].assert_matches(prompt, out.token_ids, 16, "mtp_window=8")
 
 
 # ----------------------------------------------------------------- seeded sampling across placements

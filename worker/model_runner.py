@@ -88,7 +88,8 @@ class ModelRunner:
         self.drafter: MTPDrafter | NgramDrafter | None = None
         if config.speculative_method == "mtp":
             self.drafter = MTPDrafter(self.model, self.states, self.kv_views, self.block_size, self.num_spec,
-                                      self.device, self.sampler, model_cfg.sliding_window, grammar=self.grammar)
+                                      self.device, self.sampler, model_cfg.sliding_window, grammar=self.grammar,
+                                      window=config.mtp_window or None)
         elif config.speculative_method == "ngram":
             self.drafter = NgramDrafter(self.states, self.num_spec, grammar=self.grammar)
         # n-gram drafts vary in length per row, which the cost model does not time: always fixed K.
