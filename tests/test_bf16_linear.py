@@ -131,3 +131,45 @@ def test_fused_mtp_layer_matches_the_torch_layer(arch, query_lens, mtp_checkpoin
     torch.testing.assert_close(fused_out, torch_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fused_kv, torch_kv, rtol=1e-5, atol=1e-5)
     assert not torch.equal(fused_kv, before[-1])  # the step's K/V were written
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_fused_greedy_draft_chain_drafts_what_the_layer_by_layer_chain_drafts(arch, mtp_checkpoints, monkeypatch):
+    """Greedy drafts as one C++ op (mtp_draft_greedy) against the chain of mtp_layer calls and draft
+    heads in Python: the same drafts, step by step (the same arithmetic); rows of a batch at
+    different positions, a draft vocabulary on qwen2."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from worker.drafter import MTPDrafter
+
+    prompts = random_prompts(6, 3, 90, 384, 91)
+    vocab = "full"
+    if arch == "qwen2":
+        vocab = str(Path(tempfile.mkdtemp()) / "draft_vocab.json")
+        Path(vocab).write_text(json.dumps({"token_ids": list(range(0, 384, 2))}))
+    from worker.models.llama import CausalLM
+
+    original, chain = MTPDrafter._draft_walk, CausalLM.fused_greedy_drafts
+    calls = []
+    monkeypatch.setattr(CausalLM, "fused_greedy_drafts", lambda *a: calls.append(1) or chain(*a))
+    runs = []
+    for fused in (True, False):
+        seen: list[list[list[int]]] = []
+
+        def recording(self, *args, seen=seen):
+            table = original(self, *args)
+            seen.append(table)
+            return table
+
+        monkeypatch.setattr(MTPDrafter, "_draft_walk", recording)
+        llm = LLM(str(mtp_checkpoints[arch]), max_model_len=160, max_num_seqs=4, block_size=4,
+                  speculative_method="mtp", num_speculative_tokens=3, spec_policy="fixed", draft_dtype="bfloat16",
+                  draft_vocab=vocab)
+        llm.engine.runner.drafter.fused_chain = fused
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        runs.append(([o.token_ids for o in outs], seen))
+    assert runs[0] == runs[1]
+    assert len(calls) == len(runs[0][1]) > 20  # every draft of the fused run came from the C++ chain
+    assert any(len(table) > 1 for table in runs[0][1])  # batched rows

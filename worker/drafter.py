@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from worker import fused_ops, invariants, kernels
-from worker.attention import AttentionContext
+from worker.attention import AttentionContext, default_backend
 from worker.input_batch import InputBatch, StepLayout
 from worker.kv_tap import StepTap
 from worker.models.llama import CausalLM
@@ -64,6 +64,9 @@ class MTPDrafter:
         self.flushed = False  # whether the last propose() ran the layer for rows that did not draft
         self.kv_tap: StepTap | None = None  # this step's tapped prompt rows (set by the runner)
         self.check_invariants = invariants.enabled()
+        # Greedy draft chains as one C++ op, where the MTP layer is fused and attention is the C++ kernel's.
+        self.fused_chain = (device.type == "cpu" and default_backend(device) == "cpp"
+                            and kv_views[0][0].dtype == torch.float32)
 
     def propose(self, batch: InputBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,
                 draft_meta: DraftMetadataFn) -> list[list[int]]:
@@ -228,6 +231,14 @@ class MTPDrafter:
     def _draft_walk(self, batch: InputBatch, rows: np.ndarray, h: torch.Tensor, last_pos: np.ndarray, k: int,
                     draft_meta: DraftMetadataFn, walk: DraftWalk | None) -> list[list[int]]:
         slots = batch.slots[rows]
+        greedy = walk is None and (self.mode is not DraftMode.COUPLED or draft_meta(slots, 0) is None)
+        if greedy and self.fused_chain:
+            k_cache, v_cache = self.kv_views[self.model.config.num_hidden_layers]
+            table = torch.from_numpy(np.ascontiguousarray(batch.layout.block_tables[rows])).to(self.device)
+            drafts = self.model.fused_greedy_drafts(h, torch.from_numpy(last_pos.astype(np.int64)).to(self.device), k,
+                                                    k_cache, v_cache, table, self.block_size, self.sliding_window)
+            if drafts is not None:
+                return drafts.tolist()
         token = self._pick(h, slots, 0, draft_meta, walk)
         proposed = [token]
         block_tables = batch.layout.block_tables[rows]

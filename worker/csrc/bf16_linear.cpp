@@ -338,6 +338,63 @@ at::Tensor mtp_layer(const at::Tensor& hidden, const at::Tensor& input_ids, cons
   return norm_rows(x, n_final);
 }
 
+
+// Greedy drafts [R, k] (int32): draft 0 is the argmax of the draft head over `hidden` [R, H] (each
+// row's MTP hidden state at its last position, `last_pos`); draft i > 0 runs the layer once more at
+// position last_pos + i over (the previous hidden state, draft i - 1), one token per row, and takes
+// the argmax of its head. `head` [Vd, H] bf16 (head_fp32: the same in fp32, or empty) scores the
+// draft vocabulary, whose token ids are `vocab_ids` (int64 [Vd]; empty: the whole vocabulary).
+// In Python each draft is ~10 torch ops and an attention context built on the host.
+at::Tensor mtp_draft_greedy(const at::Tensor& hidden, const at::Tensor& last_pos, int64_t k, const at::Tensor& head,
+                            const at::Tensor& head_fp32, const at::Tensor& vocab_ids, const at::Tensor& embed,
+                            const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
+                            at::TensorList fp32_weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                            const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                            int64_t block_size, int64_t sliding_window, int64_t num_heads, double eps,
+                            int64_t bf16_max_rows) {
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
+              "mtp_draft_greedy: hidden must be a contiguous [rows, hidden] float32 tensor");
+  const int64_t R = hidden.size(0), H = hidden.size(1), Vd = head.size(0);
+  TORCH_CHECK(k >= 1, "mtp_draft_greedy: k must be >= 1");
+  TORCH_CHECK(last_pos.scalar_type() == at::kLong && last_pos.numel() == R && last_pos.is_contiguous(),
+              "mtp_draft_greedy: last_pos must be int64, one per row");
+  bf16_weight(head, Vd, H, "head");
+  TORCH_CHECK(!vocab_ids.numel() || (vocab_ids.scalar_type() == at::kLong && vocab_ids.numel() == Vd &&
+                                     vocab_ids.is_contiguous()),
+              "mtp_draft_greedy: vocab_ids must be empty or the int64 token id of each head row");
+  const Projection score{head, head_fp32, nullptr, c10::nullopt};
+  at::Tensor tokens = at::empty({R, k}, last_pos.options().dtype(at::kInt));
+  int32_t* out = tokens.data_ptr<int32_t>();
+  const int64_t* ids = vocab_ids.numel() ? vocab_ids.data_ptr<int64_t>() : nullptr;
+  at::Tensor h = hidden;
+  at::Tensor step_ids = at::empty({R}, tokens.options());
+  at::Tensor positions = at::empty({R}, last_pos.options());
+  at::Tensor query_start = at::arange(R, tokens.options());
+  at::Tensor query_len = at::ones({R}, tokens.options());
+  at::Tensor seq_lens = at::empty({R}, tokens.options());
+  for (int64_t i = 0; i < k; ++i) {
+    if (i > 0) {
+      for (int64_t r = 0; r < R; ++r) {
+        step_ids.data_ptr<int32_t>()[r] = out[r * k + i - 1];
+        positions.data_ptr<int64_t>()[r] = last_pos.data_ptr<int64_t>()[r] + i;
+        seq_lens.data_ptr<int32_t>()[r] = static_cast<int32_t>(last_pos.data_ptr<int64_t>()[r] + i + 1);
+      }
+      h = mtp_layer(h, step_ids, positions, embed, cos_sin, norms, weights, fp32_weights, biases, k_cache, v_cache,
+                    block_table, query_start, query_len, seq_lens, block_size, sliding_window, num_heads, eps, false,
+                    bf16_max_rows);
+    }
+    const at::Tensor logits = score(h, bf16_max_rows);
+    const float* lp = logits.data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r) {
+      const float* row = lp + r * Vd;
+      int64_t best = 0;
+      for (int64_t v = 1; v < Vd; ++v) best = row[v] > row[best] ? v : best;  // the first of equal maxima
+      out[r * k + i] = static_cast<int32_t>(ids ? ids[best] : best);
+    }
+  }
+  return tokens;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_bf16, m) {
@@ -347,9 +404,15 @@ TORCH_LIBRARY(pdserve_bf16, m) {
       "Tensor[] weights, Tensor[] fp32_weights, Tensor?[] biases, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor block_table, Tensor query_start, Tensor query_len, Tensor seq_lens, int block_size, int sliding_window, "
       "int num_heads, float eps, bool zero_position0, int bf16_max_rows) -> Tensor");
+  m.def(
+      "mtp_draft_greedy(Tensor hidden, Tensor last_pos, int k, Tensor head, Tensor head_fp32, Tensor vocab_ids, "
+      "Tensor embed, Tensor cos_sin, Tensor[] norms, Tensor[] weights, Tensor[] fp32_weights, Tensor?[] biases, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, int block_size, int sliding_window, "
+      "int num_heads, float eps, int bf16_max_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_bf16, CPU, m) {
   m.impl("linear_bf16w", &linear_bf16w);
   m.impl("mtp_layer", &mtp_layer);
+  m.impl("mtp_draft_greedy", &mtp_draft_greedy);
 }

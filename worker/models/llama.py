@@ -11,7 +11,7 @@ from torch import nn
 from engine.config import ModelConfig
 from worker import fused_ops
 from worker.models.layers import AttentionBackend, DecoderLayer, RMSNorm, RotaryEmbedding
-from worker.models.linear import Linear
+from worker.models.linear import BF16_MAX_ROWS, Linear
 from worker.models.mtp import MTPLayer
 
 
@@ -109,6 +109,23 @@ class CausalLM(nn.Module):
         vocabulary's logits over the whole one (its ids are sorted: ties go to the lowest id alike)."""
         best = fused_ops.argmax((self.draft_head or self.lm_head)(hidden).float())
         return (best if self.draft_vocab is None else self.draft_vocab[best]).to(torch.int32)
+
+    def fused_greedy_drafts(self, hidden: torch.Tensor, last_pos: torch.Tensor, k: int, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                            window: int | None) -> torch.Tensor | None:
+        """k greedy drafts per row [rows, k] (int32) as one C++ op (mtp_draft_greedy): draft 0 from
+        the MTP hidden states `hidden` at positions `last_pos`, each next one from the layer run once
+        more; what `greedy_draft_tokens` and `mtp_forward` compute draft by draft. None where the
+        fused MTP layer or the draft head's bf16 weight is not there."""
+        layer, head = self.model.mtp_layers[0], self.draft_head
+        if layer.fused is None or head is None or head.bf16 is None:
+            return None
+        f = layer.fused
+        vocab = self.draft_vocab if self.draft_vocab is not None else torch.empty(0, dtype=torch.long)
+        return torch.ops.pdserve_bf16.mtp_draft_greedy(
+            hidden.contiguous(), last_pos, k, head.bf16, head.weight.detach(), vocab, self.model.embed_tokens.weight,
+            self.model.rotary_emb.cos_sin, f.norms, f.weights, f.fp32_weights, f.biases, k_cache, v_cache, block_table,
+            block_size, window or 0, f.num_heads, f.eps, BF16_MAX_ROWS)
 
     def mtp_forward(self, layer: int, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                     attn: AttentionBackend, has_position0: bool = True) -> torch.Tensor:
