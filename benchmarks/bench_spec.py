@@ -46,16 +46,17 @@ def prompts_for(llm: LLM, n: int) -> list[list[int]]:
 
 
 def make_llm(model: str, method: str | None, k: int, batch: int, device: str, policy: str = "fixed",
-             draft_vocab: str = "auto") -> LLM:
+             **drafter) -> LLM:
+    """`drafter`: MTP drafter settings (draft_vocab, mtp_window) for an MTP engine."""
     llm = LLM(model, speculative_method=method, num_speculative_tokens=k, max_num_seqs=max(batch, 1),
-              max_model_len=1024, device=device, spec_policy=policy, draft_vocab=draft_vocab)
+              max_model_len=1024, device=device, spec_policy=policy, **(drafter if method else {}))
     llm.generate(prompts_for(llm, 1), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     llm.engine.scheduler.spec_stats.__init__()
     return llm
 
 
-def acceptance(model: str, k: int, params: SamplingParams, device: str, draft_vocab: str):
-    llm = make_llm(model, "mtp", k, 16, device, draft_vocab=draft_vocab)
+def acceptance(model: str, k: int, params: SamplingParams, device: str, **drafter):
+    llm = make_llm(model, "mtp", k, 16, device, **drafter)
     llm.generate(prompts_for(llm, 16), params)
     stats = llm.engine.scheduler.spec_stats
     llm.shutdown()
@@ -166,6 +167,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=0, help="timed rounds per batch (0: 12 at batch 1, 6 at 4, else 5)")
     ap.add_argument("--draft-vocab", default="auto", help="MTP draft vocabulary: auto | full | a file")
+    ap.add_argument("--mtp-window", type=int, default=64, help="positions the MTP layer attends (0: all)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log the policy's cost table per batch")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
@@ -174,11 +176,13 @@ def main() -> None:
     drafter = resolve_draft_dtype("auto", "float32", args.device)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, ignore_eos=True)
     print(f"model: {model} | {args.device} | temperature {args.temperature}, {args.new_tokens} new tokens | "
-          f"torch threads: {args.threads} | target float32, MTP drafter {drafter}, draft vocab {args.draft_vocab}")
+          f"torch threads: {args.threads} | target float32, MTP drafter {drafter}, draft vocab {args.draft_vocab}, "
+          f"MTP window {args.mtp_window or 'all'}")
+    drafter_args = dict(draft_vocab=args.draft_vocab, mtp_window=args.mtp_window)
     if not args.skip_acceptance:
         print(f"\n{'K':>2} {'accept len':>11} {'per-position acceptance':>28}")
         for k in (1, 2, 3):
-            stats = acceptance(model, k, params, args.device, args.draft_vocab)
+            stats = acceptance(model, k, params, args.device, **drafter_args)
             per_pos = " ".join(f"{n / stats.num_drafts:.2f}" for n in stats.accepted_per_pos)
             print(f"{k:>2} {stats.mean_acceptance_length:>11.2f} {per_pos:>28}")
     print(f"\ndecode tok/s; ratios to no speculation (overall, median of rounds); adaptive = up to K={args.k_max}: "
@@ -188,10 +192,9 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         rounds = args.rounds or {1: 12, 4: 6}.get(batch, 5)
         contenders = [Contender("base", make_llm(model, None, 1, batch, args.device)),
-                      Contender("fixed", make_llm(model, "mtp", args.k_fixed, batch, args.device,
-                                                        draft_vocab=args.draft_vocab)),
+                      Contender("fixed", make_llm(model, "mtp", args.k_fixed, batch, args.device, **drafter_args)),
                       Contender("adaptive", make_llm(model, "mtp", args.k_max, batch, args.device, "adaptive",
-                                                           args.draft_vocab))]
+                                                     **drafter_args))]
         speed(contenders, batch, rounds, params)
         report(batch, contenders)
         for c in contenders:
