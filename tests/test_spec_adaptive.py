@@ -271,6 +271,7 @@ def test_min_tokens_ending_inside_the_verify_window(mtp_checkpoints, references,
     monkeypatch.setattr(MTPDrafter, "_draft", planted)
     llm = LLM(model, max_model_len=64, block_size=4, speculative_method="mtp", num_speculative_tokens=4,
               spec_policy="fixed")
+    llm.engine.runner.drafter.fused_chain = False  # every draft through _draft (the C++ chain would bypass it)
     out = llm.generate([prompt], params)[0]
     spec = llm.engine.scheduler.spec_stats
     assert spec.num_draft_tokens and spec.num_accepted_tokens == spec.num_draft_tokens  # all accepted
@@ -293,16 +294,16 @@ def drafts_by_position(model: str, prompts, schedule=None, stash_positions: int 
         step = iter(range(10**6))
         runner.spec_policy.choose = lambda b, pending=0, sampled=False: schedule(next(step))
     seen: dict[tuple[str, int], tuple[int, ...]] = {}
-    original = MTPDrafter._draft
+    original = MTPDrafter.propose
 
-    def recording(self, batch, rows, h, last_pos, k, draft_meta):
-        table = original(self, batch, rows, h, last_pos, k, draft_meta)
-        for slot, d in zip(batch.slots[rows], table):
-            st = self.states
-            seen[(st.slot_req_id[slot], int(st.total_len_np[slot]))] = tuple(d[:1])
-        return table
+    def recording(self, batch, *args):
+        drafts = original(self, batch, *args)
+        for req_id, slot, d in zip(batch.req_ids, batch.slots, drafts):
+            if d:
+                seen[(req_id, int(self.states.total_len_np[slot]))] = tuple(d[:1])
+        return drafts
 
-    monkeypatch.setattr(MTPDrafter, "_draft", recording)
+    monkeypatch.setattr(MTPDrafter, "propose", recording)
     for i, p in enumerate(prompts):
         core.add_request(p, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True), req_id=f"r{i}")
     max_pending, flushes = 0, 0
@@ -310,7 +311,7 @@ def drafts_by_position(model: str, prompts, schedule=None, stash_positions: int 
         core.step()
         max_pending = max(max_pending, int(runner.states.mtp_pending.max()))
         flushes += runner.drafter.flushed
-    monkeypatch.setattr(MTPDrafter, "_draft", original)
+    monkeypatch.setattr(MTPDrafter, "propose", original)
     return {"drafts": seen, "max_pending": max_pending, "flushes": flushes}
 
 

@@ -77,6 +77,11 @@ class MTPDrafter:
             self.flushed = False
             return drafts
         n_valid = batch.num_valid(accepted)
+        if k and self.kv_tap is None:
+            fused = self._fused_steady(batch, hidden, n_valid, accepted, k, draft_meta)
+            if fused is not None:
+                self.flushed = False
+                return fused
         # Rows whose prompt KV is handed to a decode instance (tapped) leave this engine after this
         # step: they need the MTP layer's KV of every prompt position now (no later pass would
         # backfill it; that includes a prompt cached up to its last token, which starts here as a
@@ -105,6 +110,36 @@ class MTPDrafter:
         for row, d in zip(rows.tolist(), table):
             drafts[row] = d
         return drafts
+
+    def _fused_steady(self, batch: InputBatch, hidden: torch.Tensor, n_valid: np.ndarray,
+                      accepted: list[list[int]], k: int, draft_meta: DraftMetadataFn) -> list[list[int]] | None:
+        """A drafting step where every row is a greedy decode row with nothing stashed: the MTP pass
+        over the kept positions and the draft chain as one C++ op (no attention context built on
+        the host). None where the step is not such a step (the general path below then runs)."""
+        st, slots = self.states, batch.slots
+        if not self.fused_chain or not batch.samples.all() or batch.is_prefilling.any() or st.mtp_pending[slots].any():
+            return None
+        if self.window is not None and (st.total_len_np[slots] - 1 - self.window > batch.layout.num_computed).any():
+            return None  # (a window shorter than a verify window)
+        if self.grammar is not None and self.grammar.any_active(slots.tolist()):
+            return None
+        if self.mode is DraftMode.COUPLED and draft_meta(slots, 0) is not None:
+            return None
+        qsl = batch.layout.query_start_loc
+        if (n_valid == batch.layout.query_lens).all():
+            h_in = hidden
+        else:
+            h_in = hidden.index_select(0, torch.from_numpy(np.concatenate(
+                [np.arange(s, s + n) for s, n in zip(qsl[:-1].tolist(), n_valid.tolist())])).to(self.device))
+        dev = self.device
+        ids = torch.tensor([t for toks in accepted for t in toks], dtype=torch.int32, device=dev)
+        last_pos = (batch.layout.num_computed + n_valid - 1).astype(np.int64)
+        k_cache, v_cache = self.kv_views[self.model.config.num_hidden_layers]
+        table = torch.from_numpy(np.ascontiguousarray(batch.layout.block_tables)).to(dev)
+        drafts = self.model.fused_greedy_drafts(h_in, torch.from_numpy(last_pos).to(dev), k, k_cache, v_cache, table,
+                                                self.block_size, self.sliding_window, pass_ids=ids,
+                                                pass_len=torch.from_numpy(n_valid.astype(np.int32)).to(dev))
+        return None if drafts is None else drafts.tolist()
 
     def _stash(self, batch: InputBatch, hidden: torch.Tensor, n_valid: np.ndarray, rows_mask: np.ndarray) -> np.ndarray:
         """Keep the valid hidden states of rows that skip the layer; returns the rows that cannot."""

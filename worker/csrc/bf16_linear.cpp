@@ -345,7 +345,13 @@ at::Tensor mtp_layer(const at::Tensor& hidden, const at::Tensor& input_ids, cons
 // the argmax of its head. `head` [Vd, H] bf16 (head_fp32: the same in fp32, or empty) scores the
 // draft vocabulary, whose token ids are `vocab_ids` (int64 [Vd]; empty: the whole vocabulary).
 // In Python each draft is ~10 torch ops and an attention context built on the host.
-at::Tensor mtp_draft_greedy(const at::Tensor& hidden, const at::Tensor& last_pos, int64_t k, const at::Tensor& head,
+//
+// With `pass_ids` non-empty, `hidden` is instead the target's hidden states of the step's kept
+// positions (row r: pass_len[r] of them, ending at last_pos[r], consecutive rows back to back), and
+// the layer first runs over them (the MTP pass of a steady decode step, x_{i+1} = pass_ids); draft 0
+// then comes from each row's last one.
+at::Tensor mtp_draft_greedy(const at::Tensor& hidden, const at::Tensor& pass_ids, const at::Tensor& pass_len,
+                            const at::Tensor& last_pos, int64_t k, const at::Tensor& head,
                             const at::Tensor& head_fp32, const at::Tensor& vocab_ids, const at::Tensor& embed,
                             const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
                             at::TensorList fp32_weights, const c10::List<c10::optional<at::Tensor>>& biases,
@@ -353,8 +359,8 @@ at::Tensor mtp_draft_greedy(const at::Tensor& hidden, const at::Tensor& last_pos
                             int64_t block_size, int64_t sliding_window, int64_t num_heads, double eps,
                             int64_t bf16_max_rows) {
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
-              "mtp_draft_greedy: hidden must be a contiguous [rows, hidden] float32 tensor");
-  const int64_t R = hidden.size(0), H = hidden.size(1), Vd = head.size(0);
+              "mtp_draft_greedy: hidden must be a contiguous [tokens, hidden] float32 tensor");
+  const int64_t R = last_pos.numel(), H = hidden.size(1), Vd = head.size(0);
   TORCH_CHECK(k >= 1, "mtp_draft_greedy: k must be >= 1");
   TORCH_CHECK(last_pos.scalar_type() == at::kLong && last_pos.numel() == R && last_pos.is_contiguous(),
               "mtp_draft_greedy: last_pos must be int64, one per row");
@@ -367,11 +373,36 @@ at::Tensor mtp_draft_greedy(const at::Tensor& hidden, const at::Tensor& last_pos
   int32_t* out = tokens.data_ptr<int32_t>();
   const int64_t* ids = vocab_ids.numel() ? vocab_ids.data_ptr<int64_t>() : nullptr;
   at::Tensor h = hidden;
+  at::Tensor seq_lens = at::empty({R}, tokens.options());
+  if (pass_ids.numel()) {
+    TORCH_CHECK(pass_len.scalar_type() == at::kInt && pass_len.numel() == R && pass_len.is_contiguous() &&
+                    pass_ids.scalar_type() == at::kInt && pass_ids.numel() == hidden.size(0),
+                "mtp_draft_greedy: pass_len (int32, per row) and pass_ids (int32, per token) must match hidden");
+    const int32_t* lens = pass_len.data_ptr<int32_t>();
+    at::Tensor starts = at::empty({R}, tokens.options());
+    at::Tensor pass_pos = at::empty({hidden.size(0)}, last_pos.options());
+    at::Tensor ends = at::empty({R}, last_pos.options());
+    int64_t t = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      TORCH_CHECK(lens[r] >= 1, "mtp_draft_greedy: every row passes at least one position");
+      starts.data_ptr<int32_t>()[r] = static_cast<int32_t>(t);
+      const int64_t end = last_pos.data_ptr<int64_t>()[r];
+      seq_lens.data_ptr<int32_t>()[r] = static_cast<int32_t>(end + 1);
+      for (int64_t j = 0; j < lens[r]; ++j) pass_pos.data_ptr<int64_t>()[t + j] = end - lens[r] + 1 + j;
+      t += lens[r];
+      ends.data_ptr<int64_t>()[r] = t - 1;
+    }
+    TORCH_CHECK(t == hidden.size(0), "mtp_draft_greedy: pass_len must add up to hidden's tokens");
+    h = mtp_layer(hidden, pass_ids, pass_pos, embed, cos_sin, norms, weights, fp32_weights, biases, k_cache, v_cache,
+                  block_table, starts, pass_len, seq_lens, block_size, sliding_window, num_heads, eps, true,
+                  bf16_max_rows)
+                .index_select(0, ends);
+  }
+  TORCH_CHECK(h.size(0) == R, "mtp_draft_greedy: one hidden state per row (or pass_ids)");
   at::Tensor step_ids = at::empty({R}, tokens.options());
   at::Tensor positions = at::empty({R}, last_pos.options());
   at::Tensor query_start = at::arange(R, tokens.options());
   at::Tensor query_len = at::ones({R}, tokens.options());
-  at::Tensor seq_lens = at::empty({R}, tokens.options());
   for (int64_t i = 0; i < k; ++i) {
     if (i > 0) {
       for (int64_t r = 0; r < R; ++r) {
@@ -405,7 +436,8 @@ TORCH_LIBRARY(pdserve_bf16, m) {
       "Tensor block_table, Tensor query_start, Tensor query_len, Tensor seq_lens, int block_size, int sliding_window, "
       "int num_heads, float eps, bool zero_position0, int bf16_max_rows) -> Tensor");
   m.def(
-      "mtp_draft_greedy(Tensor hidden, Tensor last_pos, int k, Tensor head, Tensor head_fp32, Tensor vocab_ids, "
+      "mtp_draft_greedy(Tensor hidden, Tensor pass_ids, Tensor pass_len, Tensor last_pos, int k, Tensor head, "
+      "Tensor head_fp32, Tensor vocab_ids, "
       "Tensor embed, Tensor cos_sin, Tensor[] norms, Tensor[] weights, Tensor[] fp32_weights, Tensor?[] biases, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, int block_size, int sliding_window, "
       "int num_heads, float eps, int bf16_max_rows) -> Tensor");
