@@ -64,7 +64,7 @@ class MTPDrafter:
         self.flushed = False  # whether the last propose() ran the layer for rows that did not draft
         self.kv_tap: StepTap | None = None  # this step's tapped prompt rows (set by the runner)
         self.check_invariants = invariants.enabled()
-        # Greedy draft chains as one C++ op, where the MTP layer is fused and attention is the C++ kernel's.
+        # Draft chains as one C++ op, where the MTP layer is fused and attention is the C++ kernel's.
         self.fused_chain = (device.type == "cpu" and default_backend(device) == "cpp"
                             and kv_views[0][0].dtype == torch.float32)
 
@@ -113,9 +113,9 @@ class MTPDrafter:
 
     def _fused_steady(self, batch: InputBatch, hidden: torch.Tensor, n_valid: np.ndarray,
                       accepted: list[list[int]], k: int, draft_meta: DraftMetadataFn) -> list[list[int]] | None:
-        """A drafting step where every row is a greedy decode row with nothing stashed: the MTP pass
-        over the kept positions and the draft chain as one C++ op (no attention context built on
-        the host). None where the step is not such a step (the general path below then runs)."""
+        """A drafting step where every row is a decode row with nothing stashed: the MTP pass over
+        the kept positions and the draft chain as one C++ op (no attention context built on the
+        host). None where the step is not such a step (the general path below then runs)."""
         st, slots = self.states, batch.slots
         if not self.fused_chain or not batch.samples.all() or batch.is_prefilling.any() or st.mtp_pending[slots].any():
             return None
@@ -123,7 +123,8 @@ class MTPDrafter:
             return None  # (a window shorter than a verify window)
         if self.grammar is not None and self.grammar.any_active(slots.tolist()):
             return None
-        if self.mode is DraftMode.COUPLED and draft_meta(slots, 0) is not None:
+        sampling = self._fused_sampling(slots, k, draft_meta)
+        if sampling is None:
             return None
         qsl = batch.layout.query_start_loc
         if (n_valid == batch.layout.query_lens).all():
@@ -136,10 +137,29 @@ class MTPDrafter:
         last_pos = (batch.layout.num_computed + n_valid - 1).astype(np.int64)
         k_cache, v_cache = self.kv_views[self.model.config.num_hidden_layers]
         table = torch.from_numpy(np.ascontiguousarray(batch.layout.block_tables)).to(dev)
-        drafts = self.model.fused_greedy_drafts(h_in, torch.from_numpy(last_pos).to(dev), k, k_cache, v_cache, table,
-                                                self.block_size, self.sliding_window, pass_ids=ids,
-                                                pass_len=torch.from_numpy(n_valid.astype(np.int32)).to(dev))
+        drafts = self.model.fused_drafts(h_in, torch.from_numpy(last_pos).to(dev), k, k_cache, v_cache, table,
+                                         self.block_size, self.sliding_window, pass_ids=ids,
+                                         pass_len=torch.from_numpy(n_valid.astype(np.int32)).to(dev), **sampling)
         return None if drafts is None else drafts.tolist()
+
+    def _fused_sampling(self, slots: np.ndarray, k: int, draft_meta: DraftMetadataFn) -> dict | None:
+        """How the C++ chain (CausalLM.fused_drafts) picks these rows' k drafts: {} for argmax;
+        for coupled draws, the uniforms each draft's output position is verified with and the
+        rows' inverse temperatures; None where it cannot (a row greedy among random ones, top-k,
+        top-p, min-p, a min_tokens ban: the Python path handles those)."""
+        if self.mode is not DraftMode.COUPLED:
+            return {}
+        metas = [draft_meta(slots, j) for j in range(k)]
+        if metas[0] is None:
+            return {}
+        if not all(m.no_greedy and m.no_top_k and m.no_top_p and m.no_min_p and m.banned_token_ids is None
+                   for m in metas):
+            return None
+        noise = torch.empty(len(slots), k, self.model.config.vocab_size, device=self.device)
+        for j, m in enumerate(metas):
+            for r, gen in enumerate(m.generators):
+                noise[r, j].uniform_(generator=gen)  # the draws the verifier makes for that position
+        return {"noise": noise, "inv_temp": 1.0 / metas[0].temperature.float()}
 
     def _stash(self, batch: InputBatch, hidden: torch.Tensor, n_valid: np.ndarray, rows_mask: np.ndarray) -> np.ndarray:
         """Keep the valid hidden states of rows that skip the layer; returns the rows that cannot."""
@@ -266,12 +286,12 @@ class MTPDrafter:
     def _draft_walk(self, batch: InputBatch, rows: np.ndarray, h: torch.Tensor, last_pos: np.ndarray, k: int,
                     draft_meta: DraftMetadataFn, walk: DraftWalk | None) -> list[list[int]]:
         slots = batch.slots[rows]
-        greedy = walk is None and (self.mode is not DraftMode.COUPLED or draft_meta(slots, 0) is None)
-        if greedy and self.fused_chain:
+        sampling = self._fused_sampling(slots, k, draft_meta) if walk is None and self.fused_chain else None
+        if sampling is not None:
             k_cache, v_cache = self.kv_views[self.model.config.num_hidden_layers]
             table = torch.from_numpy(np.ascontiguousarray(batch.layout.block_tables[rows])).to(self.device)
-            drafts = self.model.fused_greedy_drafts(h, torch.from_numpy(last_pos.astype(np.int64)).to(self.device), k,
-                                                    k_cache, v_cache, table, self.block_size, self.sliding_window)
+            drafts = self.model.fused_drafts(h, torch.from_numpy(last_pos.astype(np.int64)).to(self.device), k,
+                                             k_cache, v_cache, table, self.block_size, self.sliding_window, **sampling)
             if drafts is not None:
                 return drafts.tolist()
         token = self._pick(h, slots, 0, draft_meta, walk)

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -339,36 +340,51 @@ at::Tensor mtp_layer(const at::Tensor& hidden, const at::Tensor& input_ids, cons
 }
 
 
-// Greedy drafts [R, k] (int32): draft 0 is the argmax of the draft head over `hidden` [R, H] (each
+// Drafts [R, k] (int32): draft 0 is the argmax of the draft head over `hidden` [R, H] (each
 // row's MTP hidden state at its last position, `last_pos`); draft i > 0 runs the layer once more at
 // position last_pos + i over (the previous hidden state, draft i - 1), one token per row, and takes
 // the argmax of its head. `head` [Vd, H] bf16 (head_fp32: the same in fp32, or empty) scores the
 // draft vocabulary, whose token ids are `vocab_ids` (int64 [Vd]; empty: the whole vocabulary).
 // In Python each draft is ~10 torch ops and an attention context built on the host.
 //
+// With `noise` [R, k, V] (uniforms, V the whole vocabulary) the drafts are sampled instead, coupled
+// with the verifier (DraftMode.COUPLED): draft i of row r is the exponential race the sampler runs
+// for that output position with the very same uniforms, over softmax(logits * inv_temp[r]) --
+// argmax_v p_v / E_v with E = -log1p(-U), computed as logit * inv_temp - log E (the softmax's
+// normaliser does not change the argmax).
+//
 // With `pass_ids` non-empty, `hidden` is instead the target's hidden states of the step's kept
 // positions (row r: pass_len[r] of them, ending at last_pos[r], consecutive rows back to back), and
 // the layer first runs over them (the MTP pass of a steady decode step, x_{i+1} = pass_ids); draft 0
 // then comes from each row's last one.
-at::Tensor mtp_draft_greedy(const at::Tensor& hidden, const at::Tensor& pass_ids, const at::Tensor& pass_len,
-                            const at::Tensor& last_pos, int64_t k, const at::Tensor& head,
-                            const at::Tensor& head_fp32, const at::Tensor& vocab_ids, const at::Tensor& embed,
-                            const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
-                            at::TensorList fp32_weights, const c10::List<c10::optional<at::Tensor>>& biases,
-                            const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
-                            int64_t block_size, int64_t sliding_window, int64_t num_heads, double eps,
-                            int64_t bf16_max_rows) {
+at::Tensor mtp_draft(const at::Tensor& hidden, const at::Tensor& pass_ids, const at::Tensor& pass_len,
+                       const at::Tensor& last_pos, int64_t k, const at::Tensor& head,
+                       const at::Tensor& head_fp32, const at::Tensor& vocab_ids, const at::Tensor& noise,
+                       const at::Tensor& inv_temp, const at::Tensor& embed,
+                       const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
+                       at::TensorList fp32_weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                       const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+                       int64_t block_size, int64_t sliding_window, int64_t num_heads, double eps,
+                       int64_t bf16_max_rows) {
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
-              "mtp_draft_greedy: hidden must be a contiguous [tokens, hidden] float32 tensor");
+              "mtp_draft: hidden must be a contiguous [tokens, hidden] float32 tensor");
   const int64_t R = last_pos.numel(), H = hidden.size(1), Vd = head.size(0);
-  TORCH_CHECK(k >= 1, "mtp_draft_greedy: k must be >= 1");
+  TORCH_CHECK(k >= 1, "mtp_draft: k must be >= 1");
   TORCH_CHECK(last_pos.scalar_type() == at::kLong && last_pos.numel() == R && last_pos.is_contiguous(),
-              "mtp_draft_greedy: last_pos must be int64, one per row");
+              "mtp_draft: last_pos must be int64, one per row");
   bf16_weight(head, Vd, H, "head");
   TORCH_CHECK(!vocab_ids.numel() || (vocab_ids.scalar_type() == at::kLong && vocab_ids.numel() == Vd &&
                                      vocab_ids.is_contiguous()),
-              "mtp_draft_greedy: vocab_ids must be empty or the int64 token id of each head row");
+              "mtp_draft: vocab_ids must be empty or the int64 token id of each head row");
   const Projection score{head, head_fp32, nullptr, c10::nullopt};
+  const bool sampled = noise.numel() > 0;
+  const int64_t V = sampled ? noise.size(2) : 0;
+  TORCH_CHECK(!sampled || (noise.scalar_type() == at::kFloat && noise.is_contiguous() && noise.dim() == 3 &&
+                           noise.size(0) == R && noise.size(1) == k && inv_temp.scalar_type() == at::kFloat &&
+                           inv_temp.numel() == R && (vocab_ids.numel() || V == Vd)),
+              "mtp_draft: noise must be [rows, k, vocab] float32 uniforms with inv_temp [rows] float32");
+  const float* un = sampled ? noise.data_ptr<float>() : nullptr;
+  const float* it = sampled ? inv_temp.data_ptr<float>() : nullptr;
   at::Tensor tokens = at::empty({R, k}, last_pos.options().dtype(at::kInt));
   int32_t* out = tokens.data_ptr<int32_t>();
   const int64_t* ids = vocab_ids.numel() ? vocab_ids.data_ptr<int64_t>() : nullptr;
@@ -377,14 +393,14 @@ at::Tensor mtp_draft_greedy(const at::Tensor& hidden, const at::Tensor& pass_ids
   if (pass_ids.numel()) {
     TORCH_CHECK(pass_len.scalar_type() == at::kInt && pass_len.numel() == R && pass_len.is_contiguous() &&
                     pass_ids.scalar_type() == at::kInt && pass_ids.numel() == hidden.size(0),
-                "mtp_draft_greedy: pass_len (int32, per row) and pass_ids (int32, per token) must match hidden");
+                "mtp_draft: pass_len (int32, per row) and pass_ids (int32, per token) must match hidden");
     const int32_t* lens = pass_len.data_ptr<int32_t>();
     at::Tensor starts = at::empty({R}, tokens.options());
     at::Tensor pass_pos = at::empty({hidden.size(0)}, last_pos.options());
     at::Tensor ends = at::empty({R}, last_pos.options());
     int64_t t = 0;
     for (int64_t r = 0; r < R; ++r) {
-      TORCH_CHECK(lens[r] >= 1, "mtp_draft_greedy: every row passes at least one position");
+      TORCH_CHECK(lens[r] >= 1, "mtp_draft: every row passes at least one position");
       starts.data_ptr<int32_t>()[r] = static_cast<int32_t>(t);
       const int64_t end = last_pos.data_ptr<int64_t>()[r];
       seq_lens.data_ptr<int32_t>()[r] = static_cast<int32_t>(end + 1);
@@ -392,13 +408,13 @@ at::Tensor mtp_draft_greedy(const at::Tensor& hidden, const at::Tensor& pass_ids
       t += lens[r];
       ends.data_ptr<int64_t>()[r] = t - 1;
     }
-    TORCH_CHECK(t == hidden.size(0), "mtp_draft_greedy: pass_len must add up to hidden's tokens");
+    TORCH_CHECK(t == hidden.size(0), "mtp_draft: pass_len must add up to hidden's tokens");
     h = mtp_layer(hidden, pass_ids, pass_pos, embed, cos_sin, norms, weights, fp32_weights, biases, k_cache, v_cache,
                   block_table, starts, pass_len, seq_lens, block_size, sliding_window, num_heads, eps, true,
                   bf16_max_rows)
                 .index_select(0, ends);
   }
-  TORCH_CHECK(h.size(0) == R, "mtp_draft_greedy: one hidden state per row (or pass_ids)");
+  TORCH_CHECK(h.size(0) == R, "mtp_draft: one hidden state per row (or pass_ids)");
   at::Tensor step_ids = at::empty({R}, tokens.options());
   at::Tensor positions = at::empty({R}, last_pos.options());
   at::Tensor query_start = at::arange(R, tokens.options());
@@ -419,7 +435,18 @@ at::Tensor mtp_draft_greedy(const at::Tensor& hidden, const at::Tensor& pass_ids
     for (int64_t r = 0; r < R; ++r) {
       const float* row = lp + r * Vd;
       int64_t best = 0;
-      for (int64_t v = 1; v < Vd; ++v) best = row[v] > row[best] ? v : best;  // the first of equal maxima
+      if (sampled) {
+        const float* u = un + (r * k + i) * V;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t v = 0; v < Vd; ++v) {
+          const int64_t id = ids ? ids[v] : v;
+          const float e = std::max(-std::log1p(-u[id]), std::numeric_limits<float>::min());
+          const float score = row[v] * it[r] - std::log(e);
+          if (score > top) top = score, best = v;
+        }
+      } else {
+        for (int64_t v = 1; v < Vd; ++v) best = row[v] > row[best] ? v : best;  // the first of equal maxima
+      }
       out[r * k + i] = static_cast<int32_t>(ids ? ids[best] : best);
     }
   }
@@ -436,8 +463,8 @@ TORCH_LIBRARY(pdserve_bf16, m) {
       "Tensor block_table, Tensor query_start, Tensor query_len, Tensor seq_lens, int block_size, int sliding_window, "
       "int num_heads, float eps, bool zero_position0, int bf16_max_rows) -> Tensor");
   m.def(
-      "mtp_draft_greedy(Tensor hidden, Tensor pass_ids, Tensor pass_len, Tensor last_pos, int k, Tensor head, "
-      "Tensor head_fp32, Tensor vocab_ids, "
+      "mtp_draft(Tensor hidden, Tensor pass_ids, Tensor pass_len, Tensor last_pos, int k, Tensor head, "
+      "Tensor head_fp32, Tensor vocab_ids, Tensor noise, Tensor inv_temp, "
       "Tensor embed, Tensor cos_sin, Tensor[] norms, Tensor[] weights, Tensor[] fp32_weights, Tensor?[] biases, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, int block_size, int sliding_window, "
       "int num_heads, float eps, int bf16_max_rows) -> Tensor");
@@ -446,5 +473,5 @@ TORCH_LIBRARY(pdserve_bf16, m) {
 TORCH_LIBRARY_IMPL(pdserve_bf16, CPU, m) {
   m.impl("linear_bf16w", &linear_bf16w);
   m.impl("mtp_layer", &mtp_layer);
-  m.impl("mtp_draft_greedy", &mtp_draft_greedy);
+  m.impl("mtp_draft", &mtp_draft);
 }

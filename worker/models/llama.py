@@ -110,26 +110,29 @@ class CausalLM(nn.Module):
         best = fused_ops.argmax((self.draft_head or self.lm_head)(hidden).float())
         return (best if self.draft_vocab is None else self.draft_vocab[best]).to(torch.int32)
 
-    def fused_greedy_drafts(self, hidden: torch.Tensor, last_pos: torch.Tensor, k: int, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, block_table: torch.Tensor, block_size: int, window: int | None,
-                            pass_ids: torch.Tensor | None = None,
-                            pass_len: torch.Tensor | None = None) -> torch.Tensor | None:
-        """k greedy drafts per row [rows, k] (int32) as one C++ op (mtp_draft_greedy): draft 0 from
-        the MTP hidden states `hidden` at positions `last_pos`, each next one from the layer run once
-        more; what `greedy_draft_tokens` and `mtp_forward` compute draft by draft. With `pass_ids`,
-        `hidden` holds the target's hidden states of each row's `pass_len` positions up to
-        `last_pos`, which the MTP layer first runs over (x_{i+1} = pass_ids). None where the fused
-        MTP layer or the draft head's bf16 weight is not there."""
+    def fused_drafts(self, hidden: torch.Tensor, last_pos: torch.Tensor, k: int, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, block_table: torch.Tensor, block_size: int, window: int | None,
+                     pass_ids: torch.Tensor | None = None, pass_len: torch.Tensor | None = None,
+                     noise: torch.Tensor | None = None, inv_temp: torch.Tensor | None = None) -> torch.Tensor | None:
+        """k drafts per row [rows, k] (int32) as one C++ op (mtp_draft): draft 0 from the MTP hidden
+        states `hidden` at positions `last_pos`, each next one from the layer run once more; what
+        `greedy_draft_tokens` (or, with `noise`, the coupled draw of `MTPDrafter._pick`) and
+        `mtp_forward` compute draft by draft. With `pass_ids`, `hidden` holds the target's hidden
+        states of each row's `pass_len` positions up to `last_pos`, which the MTP layer first runs
+        over (x_{i+1} = pass_ids). `noise` [rows, k, vocab]: the uniforms the verifier samples each
+        draft's output position with, `inv_temp` [rows]: 1 / temperature. None where the fused MTP
+        layer or the draft head's bf16 weight is not there."""
         layer, head = self.model.mtp_layers[0], self.draft_head
         if layer.fused is None or head is None or head.bf16 is None:
             return None
-        f, none = layer.fused, torch.empty(0, dtype=torch.int32)
+        f, ints, floats = layer.fused, torch.empty(0, dtype=torch.int32), torch.empty(0)
         vocab = self.draft_vocab if self.draft_vocab is not None else torch.empty(0, dtype=torch.long)
-        return torch.ops.pdserve_bf16.mtp_draft_greedy(
-            hidden.contiguous(), none if pass_ids is None else pass_ids, none if pass_len is None else pass_len,
-            last_pos, k, head.bf16, head.weight.detach(), vocab, self.model.embed_tokens.weight,
-            self.model.rotary_emb.cos_sin, f.norms, f.weights, f.fp32_weights, f.biases, k_cache, v_cache, block_table,
-            block_size, window or 0, f.num_heads, f.eps, BF16_MAX_ROWS)
+        return torch.ops.pdserve_bf16.mtp_draft(
+            hidden.contiguous(), ints if pass_ids is None else pass_ids, ints if pass_len is None else pass_len,
+            last_pos, k, head.bf16, head.weight.detach(), vocab, floats if noise is None else noise,
+            floats if inv_temp is None else inv_temp, self.model.embed_tokens.weight, self.model.rotary_emb.cos_sin,
+            f.norms, f.weights, f.fp32_weights, f.biases, k_cache, v_cache, block_table, block_size, window or 0,
+            f.num_heads, f.eps, BF16_MAX_ROWS)
 
     def mtp_forward(self, layer: int, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                     attn: AttentionBackend, has_position0: bool = True) -> torch.Tensor:
