@@ -133,13 +133,19 @@ class MTPDrafter:
             h_in = hidden.index_select(0, torch.from_numpy(np.concatenate(
                 [np.arange(s, s + n) for s, n in zip(qsl[:-1].tolist(), n_valid.tolist())])).to(self.device))
         dev = self.device
-        ids = torch.tensor([t for toks in accepted for t in toks], dtype=torch.int32, device=dev)
-        last_pos = (batch.layout.num_computed + n_valid - 1).astype(np.int64)
+        sampling["pass_ids"] = torch.tensor([t for toks in accepted for t in toks], dtype=torch.int32, device=dev)
+        sampling["pass_len"] = torch.from_numpy(n_valid.astype(np.int32)).to(dev)
+        return self._fused_drafts(h_in, batch.layout.num_computed + n_valid - 1, batch.layout.block_tables, k,
+                                  sampling)
+
+    def _fused_drafts(self, h: torch.Tensor, last_pos: np.ndarray, block_tables: np.ndarray, k: int,
+                      args: dict) -> list[list[int]] | None:
+        """CausalLM.fused_drafts over this drafter's MTP cache; `args`: its optional arguments."""
+        dev = self.device
         k_cache, v_cache = self.kv_views[self.model.config.num_hidden_layers]
-        table = torch.from_numpy(np.ascontiguousarray(batch.layout.block_tables)).to(dev)
-        drafts = self.model.fused_drafts(h_in, torch.from_numpy(last_pos).to(dev), k, k_cache, v_cache, table,
-                                         self.block_size, self.sliding_window, pass_ids=ids,
-                                         pass_len=torch.from_numpy(n_valid.astype(np.int32)).to(dev), **sampling)
+        drafts = self.model.fused_drafts(h, torch.from_numpy(last_pos.astype(np.int64)).to(dev), k, k_cache, v_cache,
+                                         torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev),
+                                         self.block_size, self.sliding_window, **args)
         return None if drafts is None else drafts.tolist()
 
     def _fused_sampling(self, slots: np.ndarray, k: int, draft_meta: DraftMetadataFn) -> dict | None:
@@ -288,12 +294,9 @@ class MTPDrafter:
         slots = batch.slots[rows]
         sampling = self._fused_sampling(slots, k, draft_meta) if walk is None and self.fused_chain else None
         if sampling is not None:
-            k_cache, v_cache = self.kv_views[self.model.config.num_hidden_layers]
-            table = torch.from_numpy(np.ascontiguousarray(batch.layout.block_tables[rows])).to(self.device)
-            drafts = self.model.fused_drafts(h, torch.from_numpy(last_pos.astype(np.int64)).to(self.device), k,
-                                             k_cache, v_cache, table, self.block_size, self.sliding_window, **sampling)
+            drafts = self._fused_drafts(h, last_pos, batch.layout.block_tables[rows], k, sampling)
             if drafts is not None:
-                return drafts.tolist()
+                return drafts
         token = self._pick(h, slots, 0, draft_meta, walk)
         proposed = [token]
         block_tables = batch.layout.block_tables[rows]
