@@ -189,3 +189,43 @@ def test_fused_drafts_are_the_layer_by_layer_drafts(arch, temperature, mtp_check
         assert len(fused_drafts) == len(torch_drafts) and len(pairs) > 100
         assert sum(a == b for a, b in pairs) >= 0.97 * len(pairs)
         assert accepted > 0  # coupled draws: drafts equal to the verifier's samples
+
+
+def test_independent_fused_drafts_are_drawn_from_q(mtp_checkpoints, tmp_path):
+    """DraftMode.INDEPENDENT in the C++ chain (mtp_draft with draft_probs): q is the softmax of the
+    draft head's logits at the row's temperature over the draft vocabulary, and the drafts are
+    distributed as q (many rows sharing one hidden state, fresh noise each)."""
+    import json
+
+    import numpy as np
+    from scipy.stats import chisquare
+
+    path = tmp_path / "draft_vocab.json"
+    path.write_text(json.dumps({"token_ids": list(range(0, 384, 3))}))
+    llm = LLM(str(mtp_checkpoints["qwen2"]), max_model_len=64, max_num_seqs=2, block_size=4,
+              speculative_method="mtp", num_speculative_tokens=2, draft_dtype="bfloat16", draft_vocab=str(path))
+    runner = llm.engine.runner
+    model, (k_cache, v_cache) = runner.model, runner.kv_views[-1]
+    vocab_ids = model.draft_vocab
+    rows, temperature = 20000, 0.7
+    g = torch.Generator().manual_seed(5)
+    h = (3 * torch.randn(1, model.config.hidden_size, generator=g)).expand(rows, -1).contiguous()
+    probs = torch.empty(rows, 1, len(vocab_ids))
+    with torch.inference_mode():
+        drafts = model.fused_drafts(h, torch.full((rows,), 7, dtype=torch.long), 1, k_cache, v_cache,
+                                    torch.zeros(rows, 4, dtype=torch.int32), 4, None,
+                                    noise=torch.rand(rows, 1, len(vocab_ids), generator=g),
+                                    inv_temp=torch.full((rows,), 1 / temperature), draft_probs=probs)
+        # (Both over more than BF16_MAX_ROWS rows: the head's fp32 weight, as the op uses for this many.)
+        logits = model.compute_draft_logits(h[: 2 * BF16_MAX_ROWS])[0, vocab_ids].float()
+        reference = torch.softmax(logits / temperature, dim=-1)
+    torch.testing.assert_close(probs[:, 0], reference.expand(rows, -1), rtol=1e-3, atol=1e-6)
+    assert set(drafts.flatten().tolist()) <= set(vocab_ids.tolist())
+    index = {int(t): i for i, t in enumerate(vocab_ids.tolist())}
+    counts = np.bincount([index[t] for t in drafts.flatten().tolist()], minlength=len(vocab_ids))
+    expected = reference.double().numpy() * rows
+    common = expected >= 5  # chi-square cells with enough mass; the rest pooled
+    observed = np.append(counts[common], counts[~common].sum())
+    expected = np.append(expected[common], expected[~common].sum())
+    assert common.sum() > 5
+    assert chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 1e-3

@@ -99,3 +99,35 @@ def test_argmax_is_torch_argmax(vocab):
         x[5, vocab - 1] = float("inf")
     assert torch.equal(fused_ops.argmax(x), x.argmax(dim=-1))
     assert torch.equal(torch.ops.pdserve_fused.argmax(x.contiguous()), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_rejection_verify_matches_its_torch_reference(draft_vocab, monkeypatch):
+    """The C++ rejection sampler against the torch loop in fused_ops (same uniforms): rows with 0-3
+    drafts, drafts taken from q (mostly accepted) or from p's tail (mostly rejected), a draft
+    vocabulary (q zero elsewhere), temperatures apart from 1; a row where q equals p (a rejection
+    then falls back to p). Near-ties of the race may go either way in the last bit."""
+    g = torch.Generator().manual_seed(11)
+    vocab, rows = 300, 64
+    ks = torch.randint(0, 4, (rows,), generator=g, dtype=torch.int32)
+    total = int(ks.sum())
+    logits = 3 * torch.randn(total + rows, vocab, generator=g)
+    ids = torch.arange(0, vocab, 2) if draft_vocab else None
+    width = vocab // 2 if draft_vocab else vocab
+    q = torch.softmax(2 * torch.randn(total, width, generator=g), dim=-1)
+    drafts = torch.multinomial(q, 1, generator=g).flatten()
+    drafts = (ids[drafts] if draft_vocab else drafts).to(torch.int32)
+    drafts[::3] = torch.randint(0, vocab, drafts[::3].shape, generator=g, dtype=torch.int32)
+    temperature = torch.rand(rows, generator=g) + 0.5
+    if not draft_vocab and ks[0] > 0:  # row 0's first draft distribution is p itself
+        q[0] = torch.softmax(logits[0] / temperature[0], dim=-1)
+    accept_u, final_u = torch.rand(total, generator=g), torch.rand(rows, vocab, generator=g)
+    args = (logits, temperature, ks, drafts, q, ids, accept_u, final_u)
+    fused = fused_ops.rejection_verify(*args)
+    monkeypatch.setattr(fused_ops, "_enabled", False)
+    reference = fused_ops.rejection_verify(*args)
+    assert fused.shape == (rows, 2)
+    assert torch.equal(fused[:, 0], reference[:, 0])
+    assert (fused[:, 1] == reference[:, 1]).float().mean() >= 0.95
+    accepted = fused[:, 0]
+    assert 0 < int(accepted.sum()) < total and (accepted <= ks).all()

@@ -32,11 +32,12 @@ def small_vocab_model(tmp_path_factory):
     return add_mtp_layer(path, seed=6, std=0.5)
 
 
-def sample_counts(model, spec: bool, top_p: float, draft_vocab: str = "auto") -> tuple[collections.Counter, float]:
+def sample_counts(model, spec: bool, top_p: float, draft_vocab: str = "auto",
+                  seeded: bool = True) -> tuple[collections.Counter, float]:
     kwargs = dict(speculative_method="mtp", num_speculative_tokens=2, draft_vocab=draft_vocab) if spec else {}
     llm = LLM(str(model), max_model_len=32, max_num_seqs=128, **kwargs)
-    params = [SamplingParams(temperature=1.0, top_p=top_p, seed=s + (10**6 if spec else 0), max_tokens=4,
-                             ignore_eos=True) for s in range(N)]
+    params = [SamplingParams(temperature=1.0, top_p=top_p, seed=s + (10**6 if spec else 0) if seeded else None,
+                             max_tokens=4, ignore_eos=True) for s in range(N)]
     outs = llm.generate([[1, 2, 3]] * N, params)
     spec_stats = llm.engine.scheduler.spec_stats
     accept = spec_stats.num_accepted_tokens / max(1, spec_stats.num_draft_tokens)
@@ -44,17 +45,41 @@ def sample_counts(model, spec: bool, top_p: float, draft_vocab: str = "auto") ->
     return collections.Counter(tuple(o.token_ids[1:4]) for o in outs), accept
 
 
-@pytest.mark.parametrize("top_p,subset", [(1.0, None), (0.8, None), (1.0, [0, 2, 3, 5])])
-def test_spec_sampling_matches_non_spec_distribution(small_vocab_model, top_p, subset, tmp_path):
+@pytest.mark.parametrize("top_p,subset,seeded", [(1.0, None, True), (0.8, None, True), (1.0, [0, 2, 3, 5], True),
+                                                 (1.0, None, False), (1.0, [0, 2, 3, 5], False)])
+def test_spec_sampling_matches_non_spec_distribution(small_vocab_model, top_p, subset, seeded, tmp_path,
+                                                     monkeypatch):
     """`subset`: drafts over those tokens only (--draft-vocab): the masked draft distribution is
     what the drafts are drawn from and what the rejection sampler is told, so the output keeps the
-    target's distribution although two tokens can never be drafted."""
+    target's distribution although two tokens can never be drafted. Seeded requests draw coupled
+    drafts (verified by matching the target's keyed samples); unseeded ones at plain temperature
+    draw independent drafts, verified by the standard rejection sampler with their q."""
+    from worker.model_runner import ModelRunner
+
     vocab = "auto"
     if subset is not None:
         vocab = str(tmp_path / "draft_vocab.json")
         (tmp_path / "draft_vocab.json").write_text(json.dumps({"token_ids": subset}))
+    verified = collections.Counter()
+
+    def counted(name: str):
+        original = getattr(ModelRunner, name)
+
+        def counting(self, logits, *args):
+            verified[name] += logits.shape[0]
+            return original(self, logits, *args)
+        return counting
+
+    for name in ("_verify_independent", "_verify_matching"):
+        monkeypatch.setattr(ModelRunner, name, counted(name))
     base, _ = sample_counts(small_vocab_model, spec=False, top_p=top_p)
-    spec, accept = sample_counts(small_vocab_model, spec=True, top_p=top_p, draft_vocab=vocab)
+    verified.clear()
+    spec, accept = sample_counts(small_vocab_model, spec=True, top_p=top_p, draft_vocab=vocab, seeded=seeded)
+    independent = verified["_verify_independent"]
+    if seeded or top_p < 1:
+        assert independent == 0, verified
+    else:  # (some steps verify no drafts: those sample by matching)
+        assert independent > 2 * N, verified
     assert 0.1 < accept < 0.95, f"drafts should be partly accepted to exercise both paths, got {accept:.2f}"
     for pos in range(3):  # each position's marginal, then the pair (2, 3)
         a = collections.Counter(k[pos] for k in base.elements())

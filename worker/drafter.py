@@ -28,6 +28,12 @@ DraftMetadataFn = Callable[[np.ndarray, int], SamplingMetadata | None]
 class DraftMode(enum.StrEnum):
     GREEDY = "greedy"    # argmax of the draft logits, whatever the request's temperature
     COUPLED = "coupled"  # random rows: drawn from the draft distribution with the verifier's noise
+    # As COUPLED, except that unseeded plain-temperature rows (RequestStates.plain_random) draw their
+    # drafts from the draft distribution q with fresh noise, and q goes to the standard rejection
+    # sampler: it accepts with probability sum_v min(p_v, q_v), the most any coupling can, where
+    # the coupled race agrees less often (benchmarks/bench_draft_sampling.py). Seeded rows stay
+    # coupled: their output must not depend on how many drafts were verified when.
+    INDEPENDENT = "independent"
 
 
 class MTPDrafter:
@@ -60,7 +66,11 @@ class MTPDrafter:
         self.stash_positions = stash_positions
         self.stash: torch.Tensor | None = None  # [slots, stash_positions, hidden], allocated on first use
         self._stash_bits: np.ndarray | None = None  # on CPU: the stash's bits as numpy (see _stash_rows)
-        self.mode = DraftMode.COUPLED
+        self.mode = DraftMode.INDEPENDENT
+        # The last propose()'s independently drawn drafts: their distributions [rows, k, draft vocab]
+        # and the batch rows they belong to (None when no row drew independently).
+        self.probs: torch.Tensor | None = None
+        self.probs_rows: np.ndarray | None = None
         self.flushed = False  # whether the last propose() ran the layer for rows that did not draft
         self.kv_tap: StepTap | None = None  # this step's tapped prompt rows (set by the runner)
         self.check_invariants = invariants.enabled()
@@ -71,6 +81,7 @@ class MTPDrafter:
     def propose(self, batch: InputBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,
                 draft_meta: DraftMetadataFn) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
+        self.probs = self.probs_rows = None
         if not k and self.kv_tap is None and batch.steady and self._stash_one_each(batch, hidden):
             # The common k=0 step under load (one position per row, nothing to hand over or verify):
             # stashed without the general bookkeeping below, which cost a few percent of such a step.
@@ -136,25 +147,37 @@ class MTPDrafter:
         sampling["pass_ids"] = torch.tensor([t for toks in accepted for t in toks], dtype=torch.int32, device=dev)
         sampling["pass_len"] = torch.from_numpy(n_valid.astype(np.int32)).to(dev)
         return self._fused_drafts(h_in, batch.layout.num_computed + n_valid - 1, batch.layout.block_tables, k,
-                                  sampling)
+                                  sampling, np.arange(len(slots)))
 
     def _fused_drafts(self, h: torch.Tensor, last_pos: np.ndarray, block_tables: np.ndarray, k: int,
-                      args: dict) -> list[list[int]] | None:
-        """CausalLM.fused_drafts over this drafter's MTP cache; `args`: its optional arguments."""
+                      args: dict, rows: np.ndarray) -> list[list[int]] | None:
+        """CausalLM.fused_drafts over this drafter's MTP cache for batch `rows`; `args`: its optional
+        arguments (with `draft_probs`, the rows' q are kept in self.probs)."""
         dev = self.device
         k_cache, v_cache = self.kv_views[self.model.config.num_hidden_layers]
         drafts = self.model.fused_drafts(h, torch.from_numpy(last_pos.astype(np.int64)).to(dev), k, k_cache, v_cache,
                                          torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev),
                                          self.block_size, self.sliding_window, **args)
-        return None if drafts is None else drafts.tolist()
+        if drafts is None:
+            return None
+        if "draft_probs" in args:
+            self.probs, self.probs_rows = args["draft_probs"], rows
+        return drafts.tolist()
 
     def _fused_sampling(self, slots: np.ndarray, k: int, draft_meta: DraftMetadataFn) -> dict | None:
         """How the C++ chain (CausalLM.fused_drafts) picks these rows' k drafts: {} for argmax;
         for coupled draws, the uniforms each draft's output position is verified with and the
         rows' inverse temperatures; None where it cannot (a row greedy among random ones, top-k,
         top-p, min-p, a min_tokens ban: the Python path handles those)."""
-        if self.mode is not DraftMode.COUPLED:
+        if self.mode is DraftMode.GREEDY:
             return {}
+        if self.mode is DraftMode.INDEPENDENT and self._independent(slots):
+            st, gen = self.states, self.sampler._default_generator(self.device)  # noqa: SLF001 - same package
+            vocab = self.model.draft_head.out_features
+            temps = [st.sampling_params[s].temperature for s in slots.tolist()]
+            return {"noise": torch.rand(len(slots), k, vocab, generator=gen, device=self.device),
+                    "inv_temp": 1.0 / torch.tensor(temps, dtype=torch.float32, device=self.device),
+                    "draft_probs": torch.empty(len(slots), k, vocab, device=self.device)}
         metas = [draft_meta(slots, j) for j in range(k)]
         if metas[0] is None:
             return {}
@@ -166,6 +189,13 @@ class MTPDrafter:
             for r, gen in enumerate(m.generators):
                 noise[r, j].uniform_(generator=gen)  # the draws the verifier makes for that position
         return {"noise": noise, "inv_temp": 1.0 / metas[0].temperature.float()}
+
+    def _independent(self, slots: np.ndarray) -> bool:
+        """Whether every row may draw its drafts independently: unseeded plain temperature, and past
+        min_tokens (no stop token banned anywhere in the verify window, whose bans q knows nothing of)."""
+        st = self.states
+        return bool(st.plain_random[slots].all()
+                    and (st.total_len_np[slots] - st.prompt_len[slots] >= st.min_tokens[slots]).all())
 
     def _stash(self, batch: InputBatch, hidden: torch.Tensor, n_valid: np.ndarray, rows_mask: np.ndarray) -> np.ndarray:
         """Keep the valid hidden states of rows that skip the layer; returns the rows that cannot."""
@@ -294,7 +324,7 @@ class MTPDrafter:
         slots = batch.slots[rows]
         sampling = self._fused_sampling(slots, k, draft_meta) if walk is None and self.fused_chain else None
         if sampling is not None:
-            drafts = self._fused_drafts(h, last_pos, batch.layout.block_tables[rows], k, sampling)
+            drafts = self._fused_drafts(h, last_pos, batch.layout.block_tables[rows], k, sampling, rows)
             if drafts is not None:
                 return drafts
         token = self._pick(h, slots, 0, draft_meta, walk)
@@ -312,7 +342,7 @@ class MTPDrafter:
     def _pick(self, h: torch.Tensor, slots: np.ndarray, j: int, draft_meta: DraftMetadataFn,
               walk: DraftWalk | None = None) -> torch.Tensor:
         """Draft j of each row from the MTP hidden states `h` (int32 token ids)."""
-        meta = draft_meta(slots, j) if self.mode is DraftMode.COUPLED else None
+        meta = draft_meta(slots, j) if self.mode is not DraftMode.GREEDY else None
         if meta is None and walk is None:
             return self.model.greedy_draft_tokens(h)
         logits = self.model.compute_draft_logits(h)
@@ -340,6 +370,7 @@ class NgramDrafter:
         self.states, self.k, self.max_n, self.min_n = states, num_tokens, max_n, min_n
         self.grammar = grammar  # structured output: drafts cut where the grammar refuses one
         self.flushed = False
+        self.probs = self.probs_rows = None  # n-gram drafts are deterministic: verified by matching
         self.kv_tap: StepTap | None = None  # unused: n-gram drafting writes no KV
 
     def propose(self, batch: InputBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,

@@ -64,3 +64,35 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if _fused(logits) and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[-1] > 0:
         return torch.ops.pdserve_fused.argmax(logits)
     return logits.argmax(dim=-1)
+
+
+def rejection_verify(logits: torch.Tensor, temperature: torch.Tensor, num_drafts: torch.Tensor, drafts: torch.Tensor,
+                     q: torch.Tensor, vocab_ids: torch.Tensor | None, accept_u: torch.Tensor,
+                     final_u: torch.Tensor) -> torch.Tensor:
+    """Standard rejection sampling of independently drawn drafts at plain temperature ([rows, 2]
+    int64: drafts accepted, then the token after them); see rejection_verify in fused_ops.cpp.
+    logits [sum(1 + k), V]; temperature [rows]; num_drafts [rows] and drafts [sum k] int32; q
+    [sum k, Vd] over `vocab_ids` (None: the whole vocabulary); accept_u [sum k]; final_u [rows, V]."""
+    if _fused(logits) and logits.is_contiguous():
+        ids = vocab_ids if vocab_ids is not None else torch.empty(0, dtype=torch.long)
+        return torch.ops.pdserve_fused.rejection_verify(logits, temperature, num_drafts, drafts, q.contiguous(), ids,
+                                                        accept_u, final_u.contiguous())
+    vocab = logits.shape[1]
+    if vocab_ids is not None:
+        q = torch.zeros(q.shape[0], vocab, dtype=q.dtype, device=q.device).index_copy_(1, vocab_ids, q)
+    out = torch.empty(len(num_drafts), 2, dtype=torch.long)
+    pos = start = 0
+    for r, k in enumerate(num_drafts.tolist()):
+        probs = torch.softmax(logits[pos : pos + k + 1].float() / temperature[r], dim=-1)
+        m, dist = 0, probs[k]
+        while m < k:
+            d = int(drafts[start + m])
+            if accept_u[start + m] * q[start + m, d] >= probs[m, d]:
+                residual = (probs[m] - q[start + m]).clamp_min(0.0)
+                dist = residual if residual.sum() > 0 else probs[m]
+                break
+            m += 1
+        race = dist / (-torch.log1p(-final_u[r])).clamp_min(torch.finfo(torch.float32).tiny)
+        out[r, 0], out[r, 1] = m, int(race.argmax())
+        pos, start = pos + k + 1, start + k
+    return out

@@ -208,15 +208,36 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         slots = batch.slots[rows]
         drafts = [self.states.draft_tokens_np[s, :n].tolist() for s, n in zip(slots, k)]
+        kept: list[list[int]] = [[] for _ in rows]
+        # Rows whose drafts were drawn independently go to the standard rejection sampler with their
+        # q; the others are verified by matching the target's own (keyed) samples.
+        independent = self.states.draft_has_probs[slots] & (k > 0)
+        starts = np.cumsum(k + 1) - (k + 1)  # row r's logits are [starts[r], starts[r] + 1 + k[r])
+        self._sampled_step = False
+        for group, verify in ((np.nonzero(independent)[0], self._verify_independent),
+                              (np.nonzero(~independent)[0], self._verify_matching)):
+            if not len(group):
+                continue
+            picked = logits
+            if len(group) < len(rows):
+                picked = logits[torch.from_numpy(np.concatenate(
+                    [np.arange(starts[i], starts[i] + 1 + k[i]) for i in group])).to(self.device)]
+            for i, toks in zip(group.tolist(), verify(picked, k[group], slots[group], [drafts[i] for i in group])):
+                kept[i] = toks
+        self._sampled_step = self._sampled_step or bool(independent.any())
+        for row, toks in zip(rows.tolist(), kept):
+            accepted[row] = toks
+        return accepted, self._logprobs(logits, k, slots, rows, kept, len(batch.req_ids))
+
+    def _verify_matching(self, logits: torch.Tensor, k: np.ndarray, slots: np.ndarray,
+                         drafts: list[list[int]]) -> list[list[int]]:
+        """Tokens kept per row: every verified position sampled from the target with its own keyed
+        noise (argmax for greedy rows), and the drafts that equal those samples
+        (rejection_sampler.accept_matching_prefix). Sets _sampled_step."""
         if self._plain_greedy(slots):  # the target's argmax at every position, no metadata needed
             self._sampled_step = False
             targets = fused_ops.argmax(logits.float()).tolist()
-            kept = accept_matching_prefix(targets, k.tolist(), drafts).accepted_token_ids
-            for row, toks in zip(rows.tolist(), kept):
-                accepted[row] = toks
-            return accepted, None
-        # Every verified position is sampled from the target with its own keyed noise; the drafts
-        # that equal those samples are kept (rejection_sampler.accept_matching_prefix).
+            return accept_matching_prefix(targets, k.tolist(), drafts).accepted_token_ids
         # Row r owns positions [starts[r], starts[r] + 1 + k[r]) at output indices n_out[r] + 0..k[r].
         width = k + 1
         starts = np.cumsum(width) - width
@@ -230,12 +251,27 @@ class ModelRunner:
             meta.allowed_token_mask = self.grammar.position_masks(slots.tolist(), drafts)
         targets = self.sampler(logits, meta).sampled_token_ids.tolist()  # the step's one sync
         kept = accept_matching_prefix(targets, k.tolist(), drafts).accepted_token_ids
-        for row, toks in zip(rows.tolist(), kept):
-            accepted[row] = toks
         if constrained:  # unconstrained batches skip the per-row matcher calls
             for slot, toks in zip(slots.tolist(), kept):
                 self.grammar.advance(slot, toks)
-        return accepted, self._logprobs(logits, k, slots, rows, kept, len(batch.req_ids))
+        return kept
+
+    def _verify_independent(self, logits: torch.Tensor, k: np.ndarray, slots: np.ndarray,
+                            drafts: list[list[int]]) -> list[list[int]]:
+        """Tokens kept per row whose drafts were drawn independently from q (DraftMode.INDEPENDENT:
+        unseeded, plain temperature, past min_tokens): the standard rejection sampler
+        (fused_ops.rejection_verify). Its uniforms come from the sampler's default generator: these
+        rows have no seed to key them by."""
+        st, dev = self.states, self.device
+        q = torch.cat([st.draft_probs[s, :n] for s, n in zip(slots.tolist(), k.tolist())])
+        temps = torch.tensor([st.sampling_params[s].temperature for s in slots.tolist()], dtype=torch.float32)
+        gen = self.sampler._default_generator(dev)  # noqa: SLF001 - same package
+        result = fused_ops.rejection_verify(
+            logits.float(), temps.to(dev), torch.from_numpy(k.astype(np.int32)).to(dev),
+            torch.tensor([t for d in drafts for t in d], dtype=torch.int32, device=dev), q, self.model.draft_vocab,
+            torch.rand(q.shape[0], generator=gen, device=dev),
+            torch.rand(len(slots), logits.shape[1], generator=gen, device=dev)).tolist()
+        return [d[:m] + [tok] for d, (m, tok) in zip(drafts, result)]
 
     def _plain_greedy(self, slots: np.ndarray) -> bool:
         """Whether sampling these slots' next positions is the argmax of the raw logits: greedy,
@@ -258,10 +294,14 @@ class ModelRunner:
 
     def _store_drafts(self, batch: InputBatch, drafts: list[list[int]]) -> None:
         st = self.states
+        probs = {}  # batch row -> the distributions its drafts were drawn from (drawn independently)
+        if self.drafter.probs is not None:
+            probs = {row: self.drafter.probs[i] for i, row in enumerate(self.drafter.probs_rows.tolist())}
         for row in np.nonzero(batch.samples)[0].tolist():
-            st.store_drafts(int(batch.slots[row]), drafts[row])
-        idx = torch.from_numpy(batch.slots).to(self.device)
-        st.draft_tokens[idx] = torch.from_numpy(st.draft_tokens_np[batch.slots]).to(self.device)
+            st.store_drafts(int(batch.slots[row]), drafts[row], probs.get(row) if drafts[row] else None)
+        if not st.drafts_shared:
+            idx = torch.from_numpy(batch.slots).to(self.device)
+            st.draft_tokens[idx] = torch.from_numpy(st.draft_tokens_np[batch.slots]).to(self.device)
 
     def _num_output(self, slots: np.ndarray) -> np.ndarray:
         return self.states.total_len_np[slots] - self.states.prompt_len[slots]

@@ -34,6 +34,10 @@ class RequestStates:
         self.num_computed_prefill_tokens = np.zeros(s, i32)
         self.num_draft_tokens = np.zeros(s, i32)      # valid entries of draft_tokens[slot]
         self.draft_tokens_np = np.full((s, max(1, max_draft_tokens)), -1, i32)  # host copy of draft_tokens
+        # Whether draft_probs[slot] holds the distributions q the slot's drafts were drawn from (the
+        # rejection sampler then verifies them); else they are verified by matching (coupled, greedy).
+        self.draft_has_probs = np.zeros(s, bool)
+        self.draft_probs: torch.Tensor | None = None  # [slots, drafts, draft vocab], allocated on first use
         self.block_table = np.zeros((s, max_blocks_per_req), i32)
         self.num_blocks = np.zeros(s, i32)
         self.sampling_params: list[SamplingParams | None] = [None] * s
@@ -42,6 +46,9 @@ class RequestStates:
         # the output is min_tokens long: the runner's fast path for whole batches of such rows.
         self.plain_greedy = np.zeros(s, bool)
         self.min_tokens = np.zeros(s, i32)
+        # Unseeded plain-temperature sampling (no top-k/p, min-p, penalties or grammar): the rows whose
+        # drafts may be drawn independently from the drafter's own distribution (DraftMode.INDEPENDENT).
+        self.plain_random = np.zeros(s, bool)
         # Per slot: the seed that keys the randomness of each output position (DESIGN.md §4): the
         # request's own, or for an unseeded request one drawn at admission from this instance's
         # stream (`noise_seed` differs between engine instances, so P and D never share noise).
@@ -55,8 +62,11 @@ class RequestStates:
         self.total_len = torch.zeros(s, dtype=torch.int32, device=device)
         self.num_computed_tokens = torch.zeros(s, dtype=torch.int32, device=device)
         self.last_sampled_tokens = torch.zeros(s, dtype=torch.int32, device=device)
-        # -1 marks "no draft" (I3); at least one column so kernels never see a 0-sized axis.
-        self.draft_tokens = torch.full((s, max(1, max_draft_tokens)), -1, dtype=torch.int32, device=device)
+        # -1 marks "no draft" (I3); at least one column so kernels never see a 0-sized axis. On a CPU
+        # it is draft_tokens_np's own memory: nothing to copy after each step's drafts are stored.
+        self.drafts_shared = device.type == "cpu"
+        self.draft_tokens = (torch.from_numpy(self.draft_tokens_np) if self.drafts_shared else
+                             torch.full((s, max(1, max_draft_tokens)), -1, dtype=torch.int32, device=device))
 
     # -- admission / removal -------------------------------------------------------------
 
@@ -97,20 +107,32 @@ class RequestStates:
         self.plain_greedy[slot] = (params.temperature < GREEDY_TEMPERATURE_EPS and not params.needs_penalties
                                    and params.grammar is None and params.logprobs is None)
         self.min_tokens[slot] = params.min_tokens
+        self.plain_random[slot] = (params.temperature >= GREEDY_TEMPERATURE_EPS and params.seed is None
+                                   and not params.needs_penalties and params.grammar is None
+                                   and params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0)
         self.seeds[slot] = params.seed if params.seed is not None else self._unseeded.getrandbits(63)
         return slot
 
     def reset_drafts(self, slot: int) -> None:
-        self.draft_tokens[slot].fill_(-1)
         self.draft_tokens_np[slot] = -1
+        if not self.drafts_shared:
+            self.draft_tokens[slot].fill_(-1)
         self.num_draft_tokens[slot] = 0
+        self.draft_has_probs[slot] = False
 
-    def store_drafts(self, slot: int, drafts: list[int]) -> None:
-        """Drafts to verify next step; unused columns stay -1 (placeholders, I3)."""
+    def store_drafts(self, slot: int, drafts: list[int], probs: torch.Tensor | None = None) -> None:
+        """Drafts to verify next step; unused columns stay -1 (placeholders, I3). `probs` [len(drafts),
+        draft vocab]: the distribution each was drawn from, when drawn independently."""
         row = np.full(self.draft_tokens_np.shape[1], -1, np.int32)
         row[: len(drafts)] = drafts
         self.draft_tokens_np[slot] = row
         self.num_draft_tokens[slot] = len(drafts)
+        self.draft_has_probs[slot] = probs is not None
+        if probs is not None:
+            if self.draft_probs is None or self.draft_probs.shape[2] != probs.shape[1]:
+                self.draft_probs = torch.empty(self.max_num_seqs, self.draft_tokens_np.shape[1], probs.shape[1],
+                                               device=self.device)
+            self.draft_probs[slot, : len(drafts)] = probs
 
     def seed_last_sampled(self, slot: int, token: int) -> None:
         # Slice assignment from a Python int is a fill: no host/device sync on admission.

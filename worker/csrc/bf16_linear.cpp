@@ -353,6 +353,11 @@ at::Tensor mtp_layer(const at::Tensor& hidden, const at::Tensor& input_ids, cons
 // argmax_v p_v / E_v with E = -log1p(-U), computed as logit * inv_temp - log E (the softmax's
 // normaliser does not change the argmax).
 //
+// With `draft_probs` [R, k, Vd] non-empty as well, the drafts are drawn independently instead
+// (DraftMode.INDEPENDENT): `noise` is then [R, k, Vd], fresh uniforms per draft-vocabulary entry,
+// the race runs over the draft vocabulary alone, and draft_probs receives each draft's distribution
+// q = softmax(logits * inv_temp) for the rejection sampler (zero outside the draft vocabulary).
+//
 // With `pass_ids` non-empty, `hidden` is instead the target's hidden states of the step's kept
 // positions (row r: pass_len[r] of them, ending at last_pos[r], consecutive rows back to back), and
 // the layer first runs over them (the MTP pass of a steady decode step, x_{i+1} = pass_ids); draft 0
@@ -360,7 +365,7 @@ at::Tensor mtp_layer(const at::Tensor& hidden, const at::Tensor& input_ids, cons
 at::Tensor mtp_draft(const at::Tensor& hidden, const at::Tensor& pass_ids, const at::Tensor& pass_len,
                        const at::Tensor& last_pos, int64_t k, const at::Tensor& head,
                        const at::Tensor& head_fp32, const at::Tensor& vocab_ids, const at::Tensor& noise,
-                       const at::Tensor& inv_temp, const at::Tensor& embed,
+                       const at::Tensor& inv_temp, const at::Tensor& draft_probs, const at::Tensor& embed,
                        const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
                        at::TensorList fp32_weights, const c10::List<c10::optional<at::Tensor>>& biases,
                        const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
@@ -383,6 +388,11 @@ at::Tensor mtp_draft(const at::Tensor& hidden, const at::Tensor& pass_ids, const
                            noise.size(0) == R && noise.size(1) == k && inv_temp.scalar_type() == at::kFloat &&
                            inv_temp.numel() == R && (vocab_ids.numel() || V == Vd)),
               "mtp_draft: noise must be [rows, k, vocab] float32 uniforms with inv_temp [rows] float32");
+  const bool independent = draft_probs.numel() > 0;
+  TORCH_CHECK(!independent || (sampled && V == Vd && draft_probs.scalar_type() == at::kFloat &&
+                               draft_probs.is_contiguous() && draft_probs.numel() == R * k * Vd),
+              "mtp_draft: draft_probs must be [rows, k, draft vocab] float32, with noise of the same shape");
+  float* q_out = independent ? draft_probs.data_ptr<float>() : nullptr;
   const float* un = sampled ? noise.data_ptr<float>() : nullptr;
   const float* it = sampled ? inv_temp.data_ptr<float>() : nullptr;
   at::Tensor tokens = at::empty({R, k}, last_pos.options().dtype(at::kInt));
@@ -439,10 +449,17 @@ at::Tensor mtp_draft(const at::Tensor& hidden, const at::Tensor& pass_ids, const
         const float* u = un + (r * k + i) * V;
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t v = 0; v < Vd; ++v) {
-          const int64_t id = ids ? ids[v] : v;
+          const int64_t id = independent || !ids ? v : ids[v];
           const float e = std::max(-std::log1p(-u[id]), std::numeric_limits<float>::min());
           const float score = row[v] * it[r] - std::log(e);
           if (score > top) top = score, best = v;
+        }
+        if (independent) {  // q = softmax(row * inv_temp) over the draft vocabulary
+          float* q = q_out + (r * k + i) * Vd;
+          float peak = -std::numeric_limits<float>::infinity(), sum = 0.f;
+          for (int64_t v = 0; v < Vd; ++v) peak = std::max(peak, row[v] * it[r]);
+          for (int64_t v = 0; v < Vd; ++v) sum += (q[v] = std::exp(row[v] * it[r] - peak));
+          for (int64_t v = 0; v < Vd; ++v) q[v] /= sum;
         }
       } else {
         for (int64_t v = 1; v < Vd; ++v) best = row[v] > row[best] ? v : best;  // the first of equal maxima
@@ -464,7 +481,7 @@ TORCH_LIBRARY(pdserve_bf16, m) {
       "int num_heads, float eps, bool zero_position0, int bf16_max_rows) -> Tensor");
   m.def(
       "mtp_draft(Tensor hidden, Tensor pass_ids, Tensor pass_len, Tensor last_pos, int k, Tensor head, "
-      "Tensor head_fp32, Tensor vocab_ids, Tensor noise, Tensor inv_temp, "
+      "Tensor head_fp32, Tensor vocab_ids, Tensor noise, Tensor inv_temp, Tensor(c!) draft_probs, "
       "Tensor embed, Tensor cos_sin, Tensor[] norms, Tensor[] weights, Tensor[] fp32_weights, Tensor?[] biases, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, int block_size, int sliding_window, "
       "int num_heads, float eps, int bf16_max_rows) -> Tensor");

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 namespace {
 
@@ -165,6 +166,91 @@ at::Tensor argmax(const at::Tensor& logits) {
   return out;
 }
 
+// ---- Verifying drafts drawn independently from a draft distribution q (DraftMode.INDEPENDENT):
+// the standard speculative rejection sampler (Leviathan et al. 2023) for rows sampled at a plain
+// temperature. Row r verifies num_drafts[r] = k drafts with logits rows [start, start + k] (its
+// positions back to back, rows in order); p_j = softmax(logits_j / temperature[r]). Draft j is
+// accepted while accept_u * q_j(d_j) < p_j(d_j) (probability min(1, p/q)); at the first rejection
+// the token is drawn from max(0, p_j - q_j) (p_j itself where that is all zero), else the bonus from
+// p_k. Draws are exponential races with final_u[r] (V uniforms per row): argmax_v p_v / E_v with
+// E = -log1p(-U), as Sampler.sample_from_probs. q [sum k, Vd] covers the draft vocabulary
+// vocab_ids (int64 [Vd]; empty: the whole vocabulary). Returns [rows, 2] int64: the number of
+// accepted drafts and the token after them. worker/fused_ops.py holds the torch reference; the
+// torch RejectionSampler takes ~20 dispatches for what is a few passes over the vocabulary here.
+at::Tensor rejection_verify(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& num_drafts,
+                            const at::Tensor& drafts, const at::Tensor& q, const at::Tensor& vocab_ids,
+                            const at::Tensor& accept_u, const at::Tensor& final_u) {
+  check_fp32_cpu(logits, "logits");
+  const int64_t R = num_drafts.numel(), V = logits.size(1), Vd = q.dim() == 2 ? q.size(1) : 0;
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "rejection_verify: logits must be contiguous [positions, vocab]");
+  TORCH_CHECK(num_drafts.scalar_type() == at::kInt && num_drafts.is_contiguous() && drafts.scalar_type() == at::kInt &&
+                  drafts.is_contiguous(), "rejection_verify: num_drafts and drafts must be contiguous int32");
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.numel() == R && temperature.is_contiguous(),
+              "rejection_verify: temperature [rows] float32");
+  const int32_t* nd = num_drafts.data_ptr<int32_t>();
+  int64_t total = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(nd[r] >= 0, "rejection_verify: negative num_drafts");
+    total += nd[r];
+  }
+  TORCH_CHECK(logits.size(0) == total + R, "rejection_verify: logits must have sum(1 + k) rows");
+  TORCH_CHECK(drafts.numel() == total && accept_u.numel() == total && accept_u.scalar_type() == at::kFloat &&
+                  accept_u.is_contiguous(), "rejection_verify: drafts and accept_u need one entry per draft");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && (total == 0 || (q.dim() == 2 && q.size(0) == total)),
+              "rejection_verify: q must be contiguous float32 [drafts, draft vocab]");
+  TORCH_CHECK(vocab_ids.numel() ? (vocab_ids.scalar_type() == at::kLong && vocab_ids.numel() == Vd &&
+                                   vocab_ids.is_contiguous())
+                                : (total == 0 || Vd == V),
+              "rejection_verify: vocab_ids must be the int64 id of each q column (or empty with q over the vocabulary)");
+  TORCH_CHECK(final_u.scalar_type() == at::kFloat && final_u.is_contiguous() && final_u.numel() == R * V,
+              "rejection_verify: final_u must be [rows, vocab] float32");
+  // The passes with a transcendental per entry as torch ops (vectorised, unlike a scalar loop built
+  // without -ffast-math): every position's p, and every row's exponential variates.
+  at::Tensor temps = at::empty({logits.size(0), 1}, logits.options());
+  const float* t = temperature.data_ptr<float>();
+  for (int64_t r = 0, pos = 0; r < R; pos += nd[r] + 1, ++r)
+    std::fill(temps.data_ptr<float>() + pos, temps.data_ptr<float>() + pos + nd[r] + 1, t[r]);
+  const at::Tensor probs = at::softmax(logits / temps, 1);
+  const at::Tensor expo = final_u.neg().log1p_().neg_().clamp_min_(std::numeric_limits<float>::min());
+  const float* pp = probs.data_ptr<float>();
+  const float* ep = expo.data_ptr<float>();
+  const int32_t* dp = drafts.data_ptr<int32_t>();
+  const float* qp = total ? q.data_ptr<float>() : nullptr;
+  const int64_t* ids = vocab_ids.numel() ? vocab_ids.data_ptr<int64_t>() : nullptr;
+  const float* au = accept_u.data_ptr<float>();
+  at::Tensor out = at::empty({R, 2}, logits.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  std::vector<float> dense(V), residual(V);
+  for (int64_t r = 0, pos = 0, d0 = 0; r < R; pos += nd[r] + 1, d0 += nd[r], ++r) {
+    int64_t m = 0;
+    const float* dist = nullptr;  // the distribution of the token after the accepted drafts
+    for (; m < nd[r]; ++m) {
+      const float* p = pp + (pos + m) * V;
+      const int64_t d = dp[d0 + m];
+      TORCH_CHECK(d >= 0 && d < V, "rejection_verify: draft token out of range");
+      std::fill(dense.begin(), dense.end(), 0.f);
+      const float* qrow = qp + (d0 + m) * Vd;
+      for (int64_t i = 0; i < Vd; ++i) dense[ids ? ids[i] : i] = qrow[i];
+      if (au[d0 + m] * dense[d] < p[d]) continue;
+      float left = 0.f;  // rejected: the residual max(0, p - q), or p where that is all zero
+      for (int64_t v = 0; v < V; ++v) left += (residual[v] = std::max(0.f, p[v] - dense[v]));
+      dist = left > 0.f ? residual.data() : p;
+      break;
+    }
+    if (dist == nullptr) dist = pp + (pos + m) * V;  // every draft accepted: the bonus from p_k
+    const float* e = ep + r * V;
+    int64_t best = 0;
+    float top = -1.f;
+    for (int64_t v = 0; v < V; ++v) {
+      const float score = dist[v] / e[v];
+      if (score > top) top = score, best = v;
+    }
+    op[2 * r] = m;
+    op[2 * r + 1] = best;
+  }
+  return out;
+}
+
 // ---- A step's token bookkeeping (worker/kernels.py): the Triton kernels' per-row loops, for CPU
 // tensors. The torch references are vectorised over every token of the step (~20 ops each), which
 // at decode cost more than the whole rest of the runner's host work; here one pass over the rows.
@@ -273,6 +359,8 @@ TORCH_LIBRARY(pdserve_fused, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("argmax(Tensor logits) -> Tensor");
+  m.def("rejection_verify(Tensor logits, Tensor temperature, Tensor num_drafts, Tensor drafts, Tensor q, "
+        "Tensor vocab_ids, Tensor accept_u, Tensor final_u) -> Tensor");
   m.def("gather_prefill_tokens(Tensor(a!) input_ids, Tensor all_token_ids, Tensor idx_mapping, "
         "Tensor query_start_loc, Tensor num_computed_tokens, Tensor is_prefilling) -> ()");
   m.def("combine_sampled_and_draft_tokens(Tensor(a!) input_ids, Tensor last_sampled_tokens, Tensor draft_tokens, "
@@ -285,6 +373,7 @@ TORCH_LIBRARY_IMPL(pdserve_fused, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);
   m.impl("argmax", &argmax);
+  m.impl("rejection_verify", &rejection_verify);
   m.impl("gather_prefill_tokens", &gather_prefill_tokens);
   m.impl("combine_sampled_and_draft_tokens", &combine_sampled_and_draft_tokens);
   m.impl("post_step_update", &post_step_update);

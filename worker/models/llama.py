@@ -113,15 +113,18 @@ class CausalLM(nn.Module):
     def fused_drafts(self, hidden: torch.Tensor, last_pos: torch.Tensor, k: int, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, block_table: torch.Tensor, block_size: int, window: int | None,
                      pass_ids: torch.Tensor | None = None, pass_len: torch.Tensor | None = None,
-                     noise: torch.Tensor | None = None, inv_temp: torch.Tensor | None = None) -> torch.Tensor | None:
+                     noise: torch.Tensor | None = None, inv_temp: torch.Tensor | None = None,
+                     draft_probs: torch.Tensor | None = None) -> torch.Tensor | None:
         """k drafts per row [rows, k] (int32) as one C++ op (mtp_draft): draft 0 from the MTP hidden
         states `hidden` at positions `last_pos`, each next one from the layer run once more; what
         `greedy_draft_tokens` (or, with `noise`, the coupled draw of `MTPDrafter._pick`) and
         `mtp_forward` compute draft by draft. With `pass_ids`, `hidden` holds the target's hidden
         states of each row's `pass_len` positions up to `last_pos`, which the MTP layer first runs
         over (x_{i+1} = pass_ids). `noise` [rows, k, vocab]: the uniforms the verifier samples each
-        draft's output position with, `inv_temp` [rows]: 1 / temperature. None where the fused MTP
-        layer or the draft head's bf16 weight is not there."""
+        draft's output position with, `inv_temp` [rows]: 1 / temperature. With `draft_probs`
+        [rows, k, draft vocab] the drafts are drawn independently instead, from q = softmax(logits *
+        inv_temp) over the draft vocabulary with `noise` of that shape, and q is written there (for
+        the rejection sampler). None where the fused MTP layer or the draft head's bf16 weight is not there."""
         layer, head = self.model.mtp_layers[0], self.draft_head
         if layer.fused is None or head is None or head.bf16 is None:
             return None
@@ -130,7 +133,8 @@ class CausalLM(nn.Module):
         return torch.ops.pdserve_bf16.mtp_draft(
             hidden.contiguous(), ints if pass_ids is None else pass_ids, ints if pass_len is None else pass_len,
             last_pos, k, head.bf16, head.weight.detach(), vocab, floats if noise is None else noise,
-            floats if inv_temp is None else inv_temp, self.model.embed_tokens.weight, self.model.rotary_emb.cos_sin,
+            floats if inv_temp is None else inv_temp, floats if draft_probs is None else draft_probs,
+            self.model.embed_tokens.weight, self.model.rotary_emb.cos_sin,
             f.norms, f.weights, f.fp32_weights, f.biases, k_cache, v_cache, block_table, block_size, window or 0,
             f.num_heads, f.eps, BF16_MAX_ROWS)
 
