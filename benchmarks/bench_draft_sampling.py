@@ -11,7 +11,10 @@ target distribution p and draft distribution q):
 - coupled drafts (the engine's `DraftMode.COUPLED`): d drawn from q with the very noise the
   verifier samples that output position with; accepted when the two draws agree (counted).
 
-Then the end-to-end acceptance length of the two modes the engine implements.
+Then the end-to-end acceptance length of the three modes the engine implements, the third being
+`DraftMode.INDEPENDENT` (the default: independent drafts for unseeded requests, drawn and verified in
+C++). The first-position probe watches the Python draft path, so the GREEDY and COUPLED runs take it
+(the same drafts as the C++ chain's) and the INDEPENDENT run shows only its end-to-end figures.
 
     python benchmarks/bench_draft_sampling.py [--temperature 1.0] [--top-p 1.0]
 """
@@ -94,6 +97,7 @@ def run(model: str, mode: DraftMode, params: SamplingParams, k: int, n: int) -> 
     llm = LLM(model, speculative_method="mtp", num_speculative_tokens=k, max_num_seqs=n, max_model_len=1024,
               spec_policy="fixed")
     llm.engine.runner.drafter.mode = mode
+    llm.engine.runner.drafter.fused_chain = mode is DraftMode.INDEPENDENT  # (the probe hooks the Python path)
     probe = FirstPositionProbe(llm, params)
     llm.generate(prompts_for(llm, n), params)
     stats = llm.engine.scheduler.spec_stats
@@ -119,10 +123,11 @@ def main() -> None:
           f"{args.new_tokens} tokens")
     print(f"{'engine drafts':>14} {'P(accept draft 1): greedy':>26} {'independent':>12} {'coupled':>8} "
           f"{'accept len':>11} {'per position':>14}")
-    for mode in (DraftMode.GREEDY, DraftMode.COUPLED):
+    for mode in DraftMode:
         first, length, per_pos = run(model, mode, params, args.k, args.requests)
-        print(f"{mode.value:>14} {first['greedy']:>26.3f} {first['independent']:>12.3f} {first['coupled']:>8.3f} "
-              f"{length:>11.2f} {' '.join(f'{a:.2f}' for a in per_pos):>14}")
+        probe = (f"{first['greedy']:>26.3f} {first['independent']:>12.3f} {first['coupled']:>8.3f}"
+                 if mode is not DraftMode.INDEPENDENT else f"{'-':>26} {'-':>12} {'-':>8}")
+        print(f"{mode.value:>14} {probe} {length:>11.2f} {' '.join(f'{a:.2f}' for a in per_pos):>14}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import resolve_model  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
 from worker.model_loader import resolve_draft_dtype  # noqa: E402
 
 PROMPTS = [
@@ -167,7 +168,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=0, help="timed rounds per batch (0: 12 at batch 1, 6 at 4, else 5)")
     ap.add_argument("--draft-vocab", default="auto", help="MTP draft vocabulary: auto | full | a file")
-    ap.add_argument("--mtp-window", type=int, default=64, help="positions the MTP layer attends (0: all)")
+    ap.add_argument("--mtp-window", type=int, default=EngineConfig.mtp_window,
+                    help="positions the MTP layer attends (0: all)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log the policy's cost table per batch")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)

@@ -146,8 +146,10 @@ class EngineConfig:
     # The MTP layer attends only the last this many positions (0: all of them). Positions older than
     # that need no MTP pass at all (worker/drafter.py): on a prefill engine the pass over a prompt
     # covered every position, ~1/3 more prefill work on the bundled model, whose acceptance is the
-    # same with 32 positions as with all (benchmarks/results/bench_spec.txt). Output is exact either way.
-    mtp_window: int = 64
+    # same with 32 positions as with all, and 5% lower with 16 (benchmarks/results/bench_spec.txt).
+    # 32 rather than 64 halves what MTP adds to a prefill engine's work (~10% -> ~5% of a 256-token
+    # prompt's prefill), which under load competes with decode for the same cores. Output is exact either way.
+    mtp_window: int = 32
     # The tokens MTP drafts over (FR-Spec): "auto" the checkpoint's draft_vocab.json where it has one
     # (the bundled model's is the training corpus' most frequent tokens, scripts/make_draft_vocab.py),
     # "full" the whole vocabulary, or a path to such a file. Output is exact either way.

@@ -45,7 +45,8 @@ ENGINE_FLAGS = [
     ("--num-speculative-tokens", int, 3, "draft tokens per step (the most, under --spec-policy adaptive)"),
     ("--spec-policy", str, "adaptive", "adaptive (0..K drafts per step from measured acceptance and cost) | fixed"),
     ("--draft-dtype", str, "auto", "MTP drafter precision: auto | float32 | bfloat16 | float16"),
-    ("--mtp-window", int, 64, "positions the MTP layer attends (0: all); older ones need no MTP pass"),
+    ("--mtp-window", int, EngineConfig.mtp_window,
+     "positions the MTP layer attends (0: all); older ones need no MTP pass"),
     ("--draft-vocab", str, "auto", "tokens MTP drafts over: auto (the checkpoint's draft_vocab.json if any) | "
      "full | a path to such a file"),
     ("--num-threads", int, None, "torch threads per engine process"),
