@@ -382,6 +382,9 @@ class SpecPolicy:
         overhead = self.overhead.value
         rates = [self.expected_tokens(k) / (c + overhead) if c is not None else 0.0 for k, c in enumerate(estimates)]
         best = max(range(1, self.num_spec + 1), key=rates.__getitem__, default=0)
+        # The fewest drafts within `margin` of the best: a longer chain must win clearly too (its
+        # estimate rests on the acceptance of later positions and on noisier, costlier timings).
+        best = min((k for k in range(1, best + 1) if rates[k] * self.margin >= rates[best]), default=best)
         evidence = self._nearest(bucket, lambda c: c.ratios[best].count or None) or 1
         return best if rates[best] > rates[0] * (self.margin + extra + self.doubt / evidence) else 0
 
