@@ -92,3 +92,27 @@ def test_spec_sampling_matches_non_spec_distribution(small_vocab_model, top_p, s
     keys = [k for k in set(pairs_a) | set(pairs_b) if pairs_a[k] + pairs_b[k] >= 20]
     _, p, _, _ = chi2_contingency([[pairs_a[k] for k in keys], [pairs_b[k] for k in keys]])
     assert p > 1e-3, f"joint of tokens 2-3 differs (p={p:.2g})"
+
+
+def test_a_batch_mixing_unseeded_seeded_and_greedy_rows():
+    """Unseeded T=1 rows in one batch with greedy rows and a seeded T=1 row, on the bundled model:
+    the drafter then draws every row's drafts coupled (one C++ call for the batch; a seeded row must
+    not depend on how many drafts were verified when), so no row carries a q; the greedy rows are
+    the non-speculative output token for token, and the seeded row is what it is alone."""
+    from benchmarks.bench_spec import prompts_for
+    from engine.config import DEFAULT_MODEL_DIR
+
+    kwargs = dict(max_model_len=512, max_num_seqs=6)
+    spec = LLM(str(DEFAULT_MODEL_DIR), speculative_method="mtp", num_speculative_tokens=2, spec_policy="fixed",
+               **kwargs)
+    prompts = prompts_for(spec, 6)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    random = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=11)
+    outs = spec.generate(prompts, [greedy, random, greedy, random, seeded, random])
+    assert not spec.engine.runner.states.draft_has_probs.any()
+    assert spec.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    alone = spec.generate([prompts[4]], seeded)[0]
+    assert outs[4].token_ids == alone.token_ids
+    plain = LLM(str(DEFAULT_MODEL_DIR), **kwargs).generate([prompts[0], prompts[2]], greedy)
+    assert [outs[0].token_ids, outs[2].token_ids] == [o.token_ids for o in plain]
