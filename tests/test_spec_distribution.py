@@ -99,13 +99,15 @@ def test_a_batch_mixing_unseeded_seeded_and_greedy_rows():
     the drafter then draws every row's drafts coupled (one C++ call for the batch; a seeded row must
     not depend on how many drafts were verified when), so no row carries a q; the greedy rows are
     the non-speculative output token for token, and the seeded row is what it is alone."""
-    from benchmarks.bench_spec import prompts_for
     from engine.config import DEFAULT_MODEL_DIR
 
     kwargs = dict(max_model_len=512, max_num_seqs=6)
     spec = LLM(str(DEFAULT_MODEL_DIR), speculative_method="mtp", num_speculative_tokens=2, spec_policy="fixed",
                **kwargs)
-    prompts = prompts_for(spec, 6)
+    openings = ["def __init__(self, name, value=None):\n", "import os\nimport sys\n\n\ndef main(", "class Queue:\n",
+                "    for key, value in sorted(items.items()):\n", "def read_file(path):\n    with open(",
+                "    if not isinstance(data, bytes):\n        raise TypeError("]
+    prompts = [spec.tokenizer.encode(text) for text in openings]
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     random = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
     seeded = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=11)
