@@ -5,6 +5,7 @@ verify next step ([] for rows that did not sample, and for every row when the po
 """
 from __future__ import annotations
 
+import collections
 import enum
 from collections.abc import Callable
 
@@ -66,6 +67,10 @@ class MTPDrafter:
         self.stash_positions = stash_positions
         self.stash: torch.Tensor | None = None  # [slots, stash_positions, hidden], allocated on first use
         self._stash_bits: np.ndarray | None = None  # on CPU: the stash's bits as numpy (see _stash_rows)
+        # Stash copies of steady k=0 steps not made yet (see _defer): (hidden, slots, stash index, position).
+        self._deferred: collections.deque[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]] = collections.deque()
+        # Past this many steps an entry's positions have left the window of every row that decoded since.
+        self._deferred_cap = (window or 62) + 2
         self.mode = DraftMode.INDEPENDENT
         # The last propose()'s independently drawn drafts: their distributions [rows, k, draft vocab]
         # and the batch rows they belong to (None when no row drew independently).
@@ -87,6 +92,7 @@ class MTPDrafter:
             # stashed without the general bookkeeping below, which cost a few percent of such a step.
             self.flushed = False
             return drafts
+        self._materialize()  # (below, the stash is read and written directly)
         n_valid = batch.num_valid(accepted)
         if k and self.kv_tap is None:
             fused = self._fused_steady(batch, hidden, n_valid, accepted, k, draft_meta)
@@ -210,7 +216,8 @@ class MTPDrafter:
         if (n_valid[rows] == 1).all() and (pending[slots] < self.stash_positions).all():
             # One position per row: a single indexed copy.
             src = hidden.index_select(0, torch.from_numpy(qsl[rows]).to(self.device))
-            self._stash_rows(slots, src)
+            self._stash_rows(slots, src, pending[slots])
+            pending[slots] += 1
             return overflow
         for row in rows.tolist():
             slot, n = int(batch.slots[row]), int(n_valid[row])
@@ -229,25 +236,44 @@ class MTPDrafter:
 
     def _stash_one_each(self, batch: InputBatch, hidden: torch.Tensor) -> bool:
         """Stash the one hidden state of every row of a steady step; False (nothing stashed) when
-        some row's stash is full (the general path flushes it)."""
-        if self.stash is None:
-            self._allocate_stash(hidden)
-        if (self.states.mtp_pending[batch.slots] >= self.stash_positions).any():
+        some row's stash is full (the general path flushes it).
+
+        The copy is deferred: the step's hidden states are kept by reference and copied into the
+        stash only when the general path is about to read or write it (_materialize). Under load
+        the policy holds k=0 for long runs of steps, and by the time drafting resumes most of those
+        positions have left the window and are never copied at all; the copy itself (cold stash
+        memory) cost ~1% of a batch-16 step."""
+        pending = self.states.mtp_pending
+        at = pending[batch.slots]
+        if (at >= self.stash_positions).any():
             return False
-        self._stash_rows(batch.slots, hidden)
+        self._deferred.append((hidden, batch.slots, at, batch.layout.num_computed))
+        pending[batch.slots] = at + 1
+        if len(self._deferred) > self._deferred_cap:
+            self._write_deferred(*self._deferred.popleft())
         return True
 
-    def _stash_rows(self, slots: np.ndarray, src: torch.Tensor) -> None:
-        """Append src[i] to the stash of slots[i] (one position each)."""
-        pending = self.states.mtp_pending
-        if self._stash_bits is not None:
-            # On CPU a numpy assignment of the bits: a k=0 step stashes every step, and index_copy_'s
-            # dispatch plus the index tensor cost ~1.5% of a batch-4 step there.
-            self._stash_bits[slots, pending[slots]] = _bits(src)
+    def _materialize(self) -> None:
+        """Make the deferred stash copies, oldest first (as _stash_rows would have made them)."""
+        while self._deferred:
+            self._write_deferred(*self._deferred.popleft())
+
+    def _write_deferred(self, hidden: torch.Tensor, slots: np.ndarray, at: np.ndarray, positions: np.ndarray) -> None:
+        # Positions before a row's window (what _mtp_pass skips, and a full stash drops) are never read.
+        # (A slot reused since reads only what its new request wrote, so these are never read either.)
+        if self.window is not None and (positions < self.states.total_len_np[slots] - 1 - self.window).all():
+            return
+        if self.stash is None:
+            self._allocate_stash(hidden)
+        self._stash_rows(slots, hidden, at)
+
+    def _stash_rows(self, slots: np.ndarray, src: torch.Tensor, at: np.ndarray) -> None:
+        """Write src[i] at stash position at[i] of slots[i]."""
+        if self._stash_bits is not None:  # on CPU a numpy assignment of the bits (no index tensor)
+            self._stash_bits[slots, at] = _bits(src)
         else:
-            flat = torch.from_numpy(slots.astype(np.int64) * self.stash_positions + pending[slots]).to(self.device)
+            flat = torch.from_numpy(slots.astype(np.int64) * self.stash_positions + at).to(self.device)
             self.stash.view(-1, src.shape[1]).index_copy_(0, flat, src)
-        pending[slots] += 1
 
     def _allocate_stash(self, hidden: torch.Tensor) -> None:
         self.stash = torch.empty(self.states.max_num_seqs, self.stash_positions, hidden.shape[1],

@@ -365,8 +365,11 @@ class ModelRunner:
             if len(verified):
                 self.spec_policy.record_acceptance(batch.num_drafts[verified].tolist(),
                                                    [len(accepted[r]) - 1 for r in verified.tolist()])
+        rows = len(batch.slots) if batch.steady else int(batch.samples.sum())
+        if self.spec_policy.holds_k0(rows, self._sampled_step):
+            return 0
         pending = int(self.states.mtp_pending[batch.slots].sum()) if isinstance(self.drafter, MTPDrafter) else 0
-        return self.spec_policy.choose(int(batch.samples.sum()), pending, self._sampled_step)
+        return self.spec_policy.choose(rows, pending, self._sampled_step)
 
     def _time_step(self, batch: InputBatch, k: int, start: float) -> None:
         """Feed the cost model: steady-state decode steps only (every row verified k drafts and

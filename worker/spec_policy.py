@@ -106,8 +106,13 @@ BucketKey = tuple[int, bool]  # (batch_bucket, whether the step samples)
 
 @dataclass
 class Exploration:
-    """k held for a few steps, then k=0 right after: on a machine whose speed drifts (other
-    processes come and go) the ratio of the two compares like with like."""
+    """k held for a few steps, compared with k=0 steps right next to it: on a machine whose speed
+    drifts (other processes come and go) the ratio of the two compares like with like. The k=0 steps
+    are those just before when there are (a k=0 regime), else k=0 held right after, past the
+    `settle_steps` that follow drafting: on this CPU the plain steps right after drafting run up to
+    ~15% slower (the forward and the sampler alike, for ~25 ms: the heavier steps' after-effects),
+    and timing those made k look cheaper than it is (at batch 4, T=1: k=3 at 1.76x a plain step
+    where it costs 2.05x when held)."""
 
     bucket: BucketKey
     k: int
@@ -126,6 +131,9 @@ class Held:
     until: int                        # the bucket's decision counter up to which it holds
     stale: int                        # the k whose re-measurement is next
     interval: int
+    batch_size: int                   # the batch size it was decided at (for holds_k0)
+    costs: BucketCosts
+    due_from: int                     # the first decision at which the re-measurement may fall due
 
 
 @dataclass
@@ -148,12 +156,15 @@ class SpecPolicy:
     thin_acceptance: int = 64         # drafts verified at position 1 below which re-measuring does not back off
     surprise: float = 0.25            # re-measure a k in use whose recent median is this far off its estimate
     resume_margin: float = 0.1        # added to the margin while the rows have much backfill pending
-    hold_decisions: int = 8           # a k=0 decision stands this many decisions (see Held)
+    hold_decisions: int = 32          # a k=0 decision stands this many decisions (see Held)
+    settle_steps: int = 4             # plain steps after drafting that run slower (see Exploration)
     acceptance: list[Ewma] = field(default_factory=list)
     buckets: dict[BucketKey, BucketCosts] = field(default_factory=dict)
     overhead: Ewma = field(default_factory=lambda: Ewma(0.0))
     chosen_k_counts: list[int] = field(default_factory=list)  # decisions per k (exported as a metric)
     _exploration: Exploration | None = None
+    _clock: int = 0                   # decisions so far, every bucket
+    _drafted_at: int = -(1 << 30)     # the _clock of the last decision to draft
     _held: Held | None = None
     # Per bucket, every bucket nearest first (see _nearest); rebuilt when a bucket is added.
     _order: dict[BucketKey, list[BucketKey]] = field(default_factory=dict)
@@ -210,7 +221,23 @@ class SpecPolicy:
         else:
             k = self._adaptive(batch_size, pending, sampled)
         self.chosen_k_counts[k] += 1
+        self._clock += 1
+        if k:
+            self._drafted_at = self._clock
         return k
+
+    def holds_k0(self, batch_size: int, sampled: bool = False) -> bool:
+        """Whether the held k=0 decision stands for this decision (then counted as chosen) without
+        looking at anything else: same batch size and kind of step, and no re-measurement can fall
+        due yet (else choose() decides, from the pending backfill). Most steps under load end here."""
+        held = self._held
+        if (held is None or held.batch_size != batch_size or held.bucket[1] != sampled
+                or held.costs.decisions >= min(held.until, held.due_from - 1)):
+            return False
+        held.costs.decisions += 1
+        self.chosen_k_counts[0] += 1
+        self._clock += 1
+        return True
 
     def _adaptive(self, batch_size: int, pending: int, sampled: bool) -> int:
         bucket = (batch_bucket(batch_size), sampled)
@@ -267,7 +294,8 @@ class SpecPolicy:
             return self._explore(bucket, costs, unmeasured[0] if warm else stale, None if warm else best)
         # (Held only when k=0 wins without the resume margin too: else a drop in pending resumes at once.)
         if not best and not unmeasured and (little or not self.best_k(bucket, estimates)):
-            self._held = Held(bucket, costs.decisions + self.hold_decisions, stale, interval)
+            self._held = Held(bucket, costs.decisions + self.hold_decisions, stale, interval, batch_size, costs,
+                              costs.last_measured[stale] + interval + 1)
         return best
 
     def _holds(self, bucket: BucketKey, costs: BucketCosts, pending: int, batch_size: int) -> bool:
@@ -277,12 +305,16 @@ class SpecPolicy:
                 and not self._due(costs, held.stale, held.interval, pending <= self.backfill_per_row * batch_size))
 
     def _explore(self, bucket: BucketKey, costs: BucketCosts, k: int, before: int | None) -> int:
-        """Start measuring k at `bucket`: hold k (its first step is a transition, not timed), then
-        k=0 right after, for the ratio; `before`: the decision a re-measurement may confirm."""
+        """Start measuring k at `bucket`: hold k (its first step is a transition, not timed), and take
+        the k=0 steps just before it for the ratio, else hold k=0 right after; `before`: the decision
+        a re-measurement may confirm."""
         costs.explorations += 1
-        plan = [k] * self.hold_steps + ([0] * (self.hold_steps + 1) if k else [])
+        settled = self._clock - self._drafted_at > self.settle_steps + self.hold_steps
+        recent = [x for stamp, x in costs.steps[0].samples if settled and stamp >= costs.decisions - self.hold_steps]
+        after = k and len(recent) < self.hold_steps
+        plan = [k] * self.hold_steps + ([0] * (self.settle_steps + self.hold_steps + 1) if after else [])
         costs.last_measured[k] = costs.last_measured[0] = costs.decisions
-        self._exploration = Exploration(bucket, k, plan, before)
+        self._exploration = Exploration(bucket, k, plan, before, timed_0=[] if after else recent)
         return k
 
     def _due(self, costs: BucketCosts, stale: int, interval: int, little: bool) -> bool:
@@ -295,7 +327,7 @@ class SpecPolicy:
         """Record a finished (or abandoned: the batch moved on) measurement's ratio C(k)/C(0)."""
         self._held = None
         if e.k and e.timed_k and e.timed_0:
-            ratio = statistics.median(e.timed_k) / statistics.median(e.timed_0)
+            ratio = statistics.median(e.timed_k) / statistics.median(e.timed_0[-self.hold_steps:])
             explored = self.buckets[e.bucket]
             explored.ratios[e.k].update(explored.decisions, ratio)
             if e.before is not None:
