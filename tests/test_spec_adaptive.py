@@ -91,6 +91,19 @@ def test_plain_steps_slowed_by_the_drafting_before_them_do_not_make_k_look_cheap
     assert chosen[-1000:].count(0) > 970, policy.summary()
 
 
+def test_while_k0_wins_only_the_closest_k_is_re_measured_on_schedule():
+    """Each measurement at a big batch costs steps at 2-3x a plain one: while not drafting wins, the
+    scheduled re-measurements take the k that comes closest to winning (here k=1), not every k in
+    turn; the others wait `implausible_every` intervals."""
+    policy = SpecPolicy(3, explore_every=50)
+    # Acceptance 0.8 per position: tokens/s against k=0 -- k=1 1.05x, k=2 1.02x, k=3 0.98x.
+    chosen = feed(policy, 16, [5.0, 8.6, 12.0, 15.0], [0.8, 0.8, 0.8], 3000)
+    starts = [k for i, k in enumerate(chosen) if k and chosen[i - 1] != k]
+    assert starts[:6] == [3, 3, 2, 2, 1, 1], "warm-up: two measurements of each k"
+    assert set(starts[6:]) == {1} and len(starts[6:]) >= 5, (starts, policy.summary())
+    assert policy.best_k(16) == 0
+
+
 def test_fixed_policy_always_drafts_k():
     policy = SpecPolicy(3, SpecPolicyMode.FIXED)
     assert feed(policy, 4, [1.0, 9.0, 9.0, 9.0], [0.1] * 3, 20) == [3] * 20

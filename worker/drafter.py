@@ -67,7 +67,8 @@ class MTPDrafter:
         self.stash_positions = stash_positions
         self.stash: torch.Tensor | None = None  # [slots, stash_positions, hidden], allocated on first use
         self._stash_bits: np.ndarray | None = None  # on CPU: the stash's bits as numpy (see _stash_rows)
-        # Stash copies of steady k=0 steps not made yet (see _defer): (hidden, slots, stash index, position).
+        # Stash copies of steady k=0 steps not made yet (see _stash_one_each): (hidden, slots, stash index,
+        # position).
         self._deferred: collections.deque[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]] = collections.deque()
         # Past this many steps an entry's positions have left the window of every row that decoded since.
         self._deferred_cap = (window or 62) + 2

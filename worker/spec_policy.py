@@ -13,7 +13,8 @@ disable-by-batch-size and from goodput-based SmartSpec, but measured rather than
 on a CPU a verify step's cost grows with its rows, so the best k depends on the batch.
 
 Every k of a bucket is first held for a few steps to measure it (warm-up), and the bucket
-re-measures its least recently timed k -- soon at first, then every `explore_every` steps --
+re-measures its least recently timed k (while k=0 wins: the k closest to winning) -- soon at first,
+then every `explore_every` steps --
 so a changed machine load or workload is noticed; so is a k in use whose recent steps cost
 clearly more or less than its estimate says (that surprise re-measures it at once).
 Acceptance is only observed while drafting; a k=0 regime keeps its
@@ -274,6 +275,12 @@ class SpecPolicy:
         settled = costs.decisions > self.settle_decisions or None in estimates
         interval = self._interval(costs)
         stale = min(plausible, key=lambda k: costs.last_measured[k])
+        if len(plausible) > 2 and estimates[0] is not None and not self.best_k(bucket, estimates):
+            # Not drafting wins: only the k that comes closest is re-measured on schedule (at a big
+            # batch each measurement costs a few steps at 2-3x a plain one, plus the backfill and the
+            # slow plain steps after it); the others go with the implausible ones, rarely.
+            rates = self._rates(estimates)
+            stale = max((k for k in plausible if k), key=rates.__getitem__)
         stalest = min(range(self.num_spec + 1), key=lambda k: costs.last_measured[k])
         if costs.decisions - costs.last_measured[stalest] > self.implausible_every * interval:
             stale = stalest
@@ -411,14 +418,18 @@ class SpecPolicy:
             estimates = self.cost_estimates(bucket)
         if estimates[0] is None:
             return self.num_spec
-        overhead = self.overhead.value
-        rates = [self.expected_tokens(k) / (c + overhead) if c is not None else 0.0 for k, c in enumerate(estimates)]
+        rates = self._rates(estimates)
         best = max(range(1, self.num_spec + 1), key=rates.__getitem__, default=0)
         # The fewest drafts within `margin` of the best: a longer chain must win clearly too (its
         # estimate rests on the acceptance of later positions and on noisier, costlier timings).
         best = min((k for k in range(1, best + 1) if rates[k] * self.margin >= rates[best]), default=best)
         evidence = self._nearest(bucket, lambda c: c.ratios[best].count or None) or 1
         return best if rates[best] > rates[0] * (self.margin + extra + self.doubt / evidence) else 0
+
+    def _rates(self, estimates: list[float | None]) -> list[float]:
+        """Expected tokens per second of each k (0.0 where its cost is unknown)."""
+        overhead = self.overhead.value
+        return [self.expected_tokens(k) / (c + overhead) if c is not None else 0.0 for k, c in enumerate(estimates)]
 
     def _bucket(self, batch_size: int, sampled: bool = False) -> BucketCosts:
         bucket = (batch_bucket(batch_size), sampled)
