@@ -121,19 +121,31 @@ def interleaved_round(contenders: list[Contender], prompts: list[list[int]], par
                 running.remove(c)
 
 
-def speed(contenders: list[Contender], batch: int, rounds: int, params: SamplingParams) -> None:
+WARMUP_ROUNDS = 4  # untimed rounds at most before the timed ones
+
+
+def speed(contenders: list[Contender], batch: int, rounds: int, params: SamplingParams) -> int:
     """The engines live side by side and decode the same batch at once, taking turns (see
-    interleaved_round). One untimed round first: the adaptive policy measures its step costs at
-    this batch size there."""
-    prompts = prompts_for(contenders[0].llm, batch * (rounds + 1))
-    interleaved_round(contenders, prompts[:batch], params)
+    interleaved_round). Untimed rounds first, until the adaptive policy has measured every k that
+    could win at this batch size (SpecPolicy.warmed_up; at most WARMUP_ROUNDS): it waits for
+    moments with little MTP backfill to pay, which a 128-token round may not offer, and a
+    long-running server pays that warm-up once, not per round. Returns the warm-up rounds run."""
+    prompts = prompts_for(contenders[0].llm, batch * (rounds + WARMUP_ROUNDS))
+    sampled = params.temperature > 0
+    warmup = 0
+    while warmup < WARMUP_ROUNDS:
+        interleaved_round(contenders, prompts[warmup * batch : (warmup + 1) * batch], params)
+        warmup += 1
+        if all(c.llm.engine.runner.spec_policy.warmed_up(batch, sampled) for c in contenders):
+            break
     for c in contenders:
         c.runs.clear()
         c.llm.engine.scheduler.spec_stats.__init__()
         policy = c.llm.engine.runner.spec_policy
         policy.chosen_k_counts = [0] * len(policy.chosen_k_counts)
-    for r in range(rounds):
-        interleaved_round(contenders, prompts[(r + 1) * batch : (r + 2) * batch], params)
+    for r in range(warmup, warmup + rounds):
+        interleaved_round(contenders, prompts[r * batch : (r + 1) * batch], params)
+    return warmup
 
 
 def median_ratio(a: Contender, base: Contender) -> float:
@@ -141,7 +153,7 @@ def median_ratio(a: Contender, base: Contender) -> float:
     return ratios[len(ratios) // 2]
 
 
-def report(batch: int, contenders: list[Contender]) -> None:
+def report(batch: int, contenders: list[Contender], warmup: int) -> None:
     base, fixed, adaptive = contenders
     stats = adaptive.llm.engine.scheduler.spec_stats
     policy = adaptive.llm.engine.runner.spec_policy
@@ -152,7 +164,7 @@ def report(batch: int, contenders: list[Contender]) -> None:
           f"{fixed.rate / base.rate:>6.2f}x {median_ratio(fixed, base):>6.2f}x "
           f"{adaptive.rate / base.rate:>6.2f}x {median_ratio(adaptive, base):>6.2f}x "
           f"{stats.mean_acceptance_length:>7.2f} {per_pos:>10}  {chosen}", flush=True)
-    logging.getLogger("bench_spec").info("b=%d policy: %s", batch, policy.summary())
+    logging.getLogger("bench_spec").info("b=%d (%d untimed rounds) policy: %s", batch, warmup, policy.summary())
 
 
 def main() -> None:
@@ -197,8 +209,7 @@ def main() -> None:
                       Contender("fixed", make_llm(model, "mtp", args.k_fixed, batch, args.device, **drafter_args)),
                       Contender("adaptive", make_llm(model, "mtp", args.k_max, batch, args.device, "adaptive",
                                                      **drafter_args))]
-        speed(contenders, batch, rounds, params)
-        report(batch, contenders)
+        report(batch, contenders, speed(contenders, batch, rounds, params))
         for c in contenders:
             c.llm.shutdown()
 

@@ -104,6 +104,14 @@ def test_while_k0_wins_only_the_closest_k_is_re_measured_on_schedule():
     assert policy.best_k(16) == 0
 
 
+def test_warmed_up_once_every_k_that_could_win_is_measured():
+    policy = SpecPolicy(2)
+    assert not policy.warmed_up(8) and SpecPolicy(2, SpecPolicyMode.FIXED).warmed_up(8)
+    chosen = feed(policy, 8, [5.0, 6.0, 6.5], [0.8, 0.8], 40)
+    assert set(chosen) == {0, 1, 2} and policy.warmed_up(8)
+    assert not policy.warmed_up(8, sampled=True) and not policy.warmed_up(32)  # other buckets: not yet
+
+
 def test_fixed_policy_always_drafts_k():
     policy = SpecPolicy(3, SpecPolicyMode.FIXED)
     assert feed(policy, 4, [1.0, 9.0, 9.0, 9.0], [0.1] * 3, 20) == [3] * 20

@@ -254,22 +254,8 @@ class SpecPolicy:
             self._finish(e)
         estimates = self.cost_estimates(bucket)
 
-        def unmeasured_k(k: int) -> bool:
-            if not k:
-                return costs.steps[0].count < self.warmup_samples
-            # One measurement of its own suffices where a neighbour has measured k already: the
-            # ratios of nearby batch sizes are alike, and one ratio still carries the full doubt.
-            count = costs.ratios[k].count
-            return count < 1 or (count < self.warmup_pairs and not self._neighbour_measured(bucket, k))
-
-        # Measuring k costs a few steps at k (a big batch on a CPU pays 2-4x a plain step for each)
-        # plus the MTP layer's backfill over every row's skipped positions: a k that the estimates
-        # we have (a neighbour's cost ratio, today's acceptance) say loses clearly is not measured,
-        # and re-measured only rarely, in case the acceptance changed while nobody drafted. Only a
-        # neighbour within 2x in batch size counts for that (batch 1's costs say nothing of batch 16's).
-        near = self.cost_estimates(bucket, near=True)
-        plausible = [k for k in range(self.num_spec + 1) if self._may_win(k, near)]
-        unmeasured = [k for k in range(self.num_spec, -1, -1) if unmeasured_k(k) and k in plausible]
+        plausible = self._plausible(bucket)
+        unmeasured = self._unmeasured(bucket, costs, plausible)
         # A bucket passed through briefly (a batch draining) decides from its neighbours' timings;
         # one that keeps coming back, or one nothing is known about, gets measured.
         settled = costs.decisions > self.settle_decisions or None in estimates
@@ -304,6 +290,39 @@ class SpecPolicy:
             self._held = Held(bucket, costs.decisions + self.hold_decisions, stale, interval, batch_size, costs,
                               costs.last_measured[stale] + interval + 1)
         return best
+
+    def _plausible(self, bucket: BucketKey) -> list[int]:
+        """The k that could win at `bucket`. Measuring k costs a few steps at k (a big batch on a CPU
+        pays 2-4x a plain step for each) plus the MTP layer's backfill over every row's skipped
+        positions: a k that the estimates we have (a neighbour's cost ratio, today's acceptance) say
+        loses clearly is not measured, and re-measured only rarely, in case the acceptance changed
+        while nobody drafted. Only a neighbour within 2x in batch size counts for that (batch 1's
+        costs say nothing of batch 16's)."""
+        near = self.cost_estimates(bucket, near=True)
+        return [k for k in range(self.num_spec + 1) if self._may_win(k, near)]
+
+    def _unmeasured(self, bucket: BucketKey, costs: BucketCosts, plausible: list[int]) -> list[int]:
+        """The plausible k, largest first, that `bucket` has not measured enough yet (its warm-up)."""
+        def unmeasured_k(k: int) -> bool:
+            if not k:
+                return costs.steps[0].count < self.warmup_samples
+            # One measurement of its own suffices where a neighbour has measured k already: the
+            # ratios of nearby batch sizes are alike, and one ratio still carries the full doubt.
+            count = costs.ratios[k].count
+            return count < 1 or (count < self.warmup_pairs and not self._neighbour_measured(bucket, k))
+
+        return [k for k in range(self.num_spec, -1, -1) if k in plausible and unmeasured_k(k)]
+
+    def warmed_up(self, batch_size: int, sampled: bool = False) -> bool:
+        """Whether the bucket of `batch_size` has measured every k that could win and is not measuring
+        one now (benchmarks time the steady state: a long-running server pays its warm-up once)."""
+        if self.mode is SpecPolicyMode.FIXED:
+            return True
+        bucket = (batch_bucket(batch_size), sampled)
+        costs = self.buckets.get(bucket)
+        if costs is None or (self._exploration is not None and self._exploration.bucket == bucket):
+            return False
+        return not self._unmeasured(bucket, costs, self._plausible(bucket))
 
     def _holds(self, bucket: BucketKey, costs: BucketCosts, pending: int, batch_size: int) -> bool:
         """Whether the held k=0 decision (if any) still stands for this decision of `bucket`."""
