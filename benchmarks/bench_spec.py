@@ -121,7 +121,7 @@ def interleaved_round(contenders: list[Contender], prompts: list[list[int]], par
                 running.remove(c)
 
 
-WARMUP_ROUNDS = 4  # untimed rounds at most before the timed ones
+WARMUP_ROUNDS = 6  # untimed rounds at most before the timed ones
 
 
 def speed(contenders: list[Contender], batch: int, rounds: int, params: SamplingParams) -> int:

@@ -22,12 +22,12 @@ VOCAB = 384
 
 
 def feed(policy: SpecPolicy, batch: int, costs_ms: list[float], accept: list[float], steps: int,
-         load=lambda step: 1.0, sampled: bool = False, rows: int = 100) -> list[int]:
+         load=lambda step: 1.0, sampled: bool = False, rows: int = 100, pending: int = 0) -> list[int]:
     """Drive the policy with synthetic step costs (times a machine load) and acceptance, verifying
-    `rows` rows' drafts a step; returns its decisions."""
+    `rows` rows' drafts a step (`pending`: the MTP backfill at each decision); returns its decisions."""
     chosen, k_prev = [], None
     for step in range(steps):
-        k = policy.choose(batch, sampled=sampled)
+        k = policy.choose(batch, pending, sampled=sampled)
         if k_prev == k:
             policy.record_step(batch, k, costs_ms[k] * load(step) / 1e3, sampled)
         if k:  # row j keeps draft i while u_j < a_1 * ... * a_i, u_j evenly spread in [0, 1)
@@ -240,6 +240,15 @@ def test_a_warm_up_waits_for_little_backfill():
     waited = [policy.choose(12, pending=12 * 100) for _ in range(3 * policy.settle_decisions)]
     assert set(waited) == {0} and policy.buckets[12, False].explorations == 0
     assert 0 < policy.choose(12, pending=12 * 2)  # few pending: it warms up now
+
+
+def test_a_warm_up_that_never_sees_little_backfill_still_ends():
+    """A bucket whose rows always have much backfill pending (long-lived rows under load) waits at most
+    4 first re-measurement intervals, and then warms up every k back to back: the wait does not grow
+    with each measurement taken."""
+    policy = SpecPolicy(3, prune=0.0)
+    feed(policy, 16, [5.0, 9.5, 13.0, 16.0], [0.8, 0.8, 0.8], 300, pending=16 * 100)
+    assert policy.warmed_up(16), policy.summary()
 
 
 def test_resuming_drafting_near_break_even_takes_a_wider_margin():

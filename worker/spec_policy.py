@@ -155,7 +155,7 @@ class SpecPolicy:
     prune: float = 0.8                # a k estimated below this share of k=0's tokens/s is not measured ...
     implausible_every: int = 8        # ... except after this many re-measurement intervals
     thin_acceptance: int = 64         # drafts verified at position 1 below which re-measuring does not back off
-    surprise: float = 0.25            # re-measure a k in use whose recent median is this far off its estimate
+    surprise: float = 0.12            # re-measure a k in use whose recent median is this far off its estimate
     resume_margin: float = 0.1        # added to the margin while the rows have much backfill pending
     hold_decisions: int = 32          # a k=0 decision stands this many decisions (see Held)
     settle_steps: int = 4             # plain steps after drafting that run slower (see Exploration)
@@ -272,7 +272,7 @@ class SpecPolicy:
             stale = stalest
         # A due re-measurement, and a warm-up (the rows of a bucket that settles have been skipping the
         # MTP layer at their previous batch size), wait for a moment with little backfill to pay
-        # (new rows, a flush), up to 4 intervals.
+        # (new rows, a flush), up to 4 intervals (a warm-up: 4 first ones, see below).
         little = pending <= self.backfill_per_row * batch_size
         due = self._due(costs, stale, interval, little)
         # Resuming drafting first pays the backfill of every skipped position: with much of it
@@ -281,8 +281,10 @@ class SpecPolicy:
         best = self.best_k(bucket, estimates, 0.0 if little else self.resume_margin)
         if not due and self._surprised(costs, best, estimates):
             stale, due = best, True
-        warm = bool(unmeasured) and settled and (unmeasured[0] == 0 or little
-                                                 or costs.decisions > self.settle_decisions + 4 * interval)
+        # (The warm-up's wait is bounded by the first re-measurement interval, not the current one, which
+        # grows with every measurement: the last k of a warm-up would wait ~1000 decisions for its turn.)
+        warm = bool(unmeasured) and settled and (unmeasured[0] == 0 or little or costs.decisions
+                                                 > self.settle_decisions + 4 * self.first_reexplore)
         if warm or due:
             return self._explore(bucket, costs, unmeasured[0] if warm else stale, None if warm else best)
         # (Held only when k=0 wins without the resume margin too: else a drop in pending resumes at once.)
