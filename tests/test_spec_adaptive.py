@@ -79,7 +79,7 @@ def test_plain_steps_slowed_by_the_drafting_before_them_do_not_make_k_look_cheap
     for _ in range(1500):
         k = 0 if policy.holds_k0(16) else policy.choose(16)
         if k_prev == k:
-            slow = 1.15 if k == 0 and since_draft <= 4 else 1.0
+            slow = (1.15 if since_draft <= 2 else 1.03 if since_draft <= 4 else 1.0) if k == 0 else 1.0
             policy.record_step(16, k, held_costs[k] * slow / 1e3)
         if k:
             policy.record_acceptance([k] * 10, [min(k, a) for a in (2,) * 6 + (1,) * 2 + (0,) * 2])
@@ -87,7 +87,7 @@ def test_plain_steps_slowed_by_the_drafting_before_them_do_not_make_k_look_cheap
         chosen.append(k)
         k_prev = k
     ratios = [policy.buckets[16, False].ratio(k) for k in (1, 2)]
-    assert ratios == pytest.approx([8.6 / 5.0, 12.0 / 5.0], rel=0.02), policy.summary()
+    assert ratios == pytest.approx([8.6 / 5.0, 12.0 / 5.0], rel=0.04), policy.summary()
     assert chosen[-1000:].count(0) > 970, policy.summary()
 
 

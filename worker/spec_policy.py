@@ -155,10 +155,10 @@ class SpecPolicy:
     prune: float = 0.8                # a k estimated below this share of k=0's tokens/s is not measured ...
     implausible_every: int = 8        # ... except after this many re-measurement intervals
     thin_acceptance: int = 64         # drafts verified at position 1 below which re-measuring does not back off
-    surprise: float = 0.12            # re-measure a k in use whose recent median is this far off its estimate
+    surprise: float = 0.25            # re-measure a k in use whose recent median is this far off its estimate
     resume_margin: float = 0.1        # added to the margin while the rows have much backfill pending
     hold_decisions: int = 32          # a k=0 decision stands this many decisions (see Held)
-    settle_steps: int = 4             # plain steps after drafting that run slower (see Exploration)
+    settle_steps: int = 2             # plain steps after drafting that run slower (see Exploration)
     acceptance: list[Ewma] = field(default_factory=list)
     buckets: dict[BucketKey, BucketCosts] = field(default_factory=dict)
     overhead: Ewma = field(default_factory=lambda: Ewma(0.0))
