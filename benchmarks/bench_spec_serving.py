@@ -11,7 +11,10 @@ the same code 1.15x in one run and 1.44x in the next. The ratio is the median of
 ratios; tok/s are medians of rounds. The MTP server's policy keeps what it measured from round to
 round, as a long-running `make serve` does. Writes `benchmarks/results/spec_serving.md`.
 
-    python benchmarks/bench_spec_serving.py [--rounds 3] [--quick]
+    python benchmarks/bench_spec_serving.py [--rounds 3] [--quick] [--workloads load16] [--baseline REV]
+
+`--baseline REV` also serves the default (MTP) of another commit, from a git worktree, turn by turn
+with the other two: a change to speculation measured against the code before it in the same minutes.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from engine.config import DEFAULT_MODEL_DIR  # noqa: E402
 from server.procs import stop_process_group  # noqa: E402
 
 SERVERS = {"mtp": [], "none": ["--speculative-method", "none"]}
-TITLES = {"mtp": "PD + adaptive MTP (default)", "none": "PD, no speculation"}
+BASELINE = "baseline"  # the --baseline revision's default server
 
 
 def workloads(data: Path, quick: bool) -> dict[str, list[str]]:
@@ -48,14 +51,14 @@ def workloads(data: Path, quick: bool) -> dict[str, list[str]]:
     }
 
 
-def start(server: str, log: Path) -> tuple[subprocess.Popen, int]:
+def start(flags: list[str], log: Path, repo: Path = REPO) -> tuple[subprocess.Popen, int]:
+    """`pdserve serve` of the code in `repo` with `flags`, on a free port."""
     port = free_port()
     env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING"}
     env.pop("PDSERVE_DEBUG_INVARIANTS", None)
     with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port),
-                                 *SERVERS[server]], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *flags],
+                                cwd=repo, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, port
 
 
@@ -83,29 +86,40 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--workloads", default="batch1,load16", help="which of batch1, load16")
+    ap.add_argument("--baseline", help="a git revision whose default (MTP) server also runs")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "spec_serving.md"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="pdserve-spec-serving-"))
     loads = workloads(stdlib_sharegpt(work / "stdlib.json", 64, 8, seed=0), args.quick)
-    runs: dict[str, list[dict[str, dict[str, float]]]] = {s: [] for s in SERVERS}
+    loads = {name: loads[name] for name in args.workloads.split(",")}
+    servers = {name: (flags, REPO) for name, flags in SERVERS.items()}
+    if args.baseline:
+        tree = work / "baseline"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.baseline], check=True)
+        servers[BASELINE] = ([], tree)
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {s: [] for s in servers}
     procs = {}
     try:
-        for server in SERVERS:
-            procs[server] = start(server, work / f"{server}.log")
+        for server, (flags, repo) in servers.items():
+            procs[server] = start(flags, work / f"{server}.log", repo)
         for proc, port in procs.values():
             wait_healthy(proc, port)
+        names = list(servers)
         for i in range(1 if args.quick else args.rounds):
-            for server in SERVERS:
+            for server in servers:
                 runs[server].append({})
             for j, (name, flags) in enumerate(loads.items()):
                 for t, temp in enumerate((0.0, 1.0)):
-                    order = list(SERVERS) if (i + j + t) % 2 == 0 else list(reversed(SERVERS))
-                    for server in order:
+                    turn = (i + j + t) % len(names)  # who goes first rotates
+                    for server in names[turn:] + names[:turn]:
                         runs[server][-1][f"{name} T={temp:g}"] = run_load(procs[server][1], flags, temp, warm_up=i == 0)
     finally:
         for proc, _ in procs.values():
             stop_process_group(proc)
+        if args.baseline:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
     keys = list(runs["mtp"][0])
 
     def med(server: str, key: str, field: str) -> float:
@@ -113,8 +127,8 @@ def main() -> None:
         values = [r[key][field] for r in runs[server] if not math.isnan(r[key][field])]
         return statistics.median(values) if values else float("nan")
 
-    def ratios(key: str) -> list[float]:
-        return [m[key]["tok_s"] / n[key]["tok_s"] for m, n in zip(runs["mtp"], runs["none"])]
+    def ratios(key: str, server: str = "mtp") -> list[float]:
+        return [m[key]["tok_s"] / n[key]["tok_s"] for m, n in zip(runs[server], runs["none"])]
 
     lines = [f"# MTP through the server (`benchmarks/bench_spec_serving.py`, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
@@ -132,6 +146,12 @@ def main() -> None:
                      f"{med('mtp', key, 'itl_p50'):.1f} | {med('none', key, 'ttft_p50'):.1f} / "
                      f"{med('mtp', key, 'ttft_p50'):.1f} | {med('mtp', key, 'accept_len'):.2f} | "
                      f"{chosen_k(r[key]['chosen_k'] for r in runs['mtp'])} | {failed} |")
+    if args.baseline:
+        lines += ["", f"The default (MTP) of `{args.baseline}` in the same turns, against the same no-spec server:", "",
+                  f"| workload | MTP@{args.baseline} tok/s | MTP@{args.baseline} / no spec | per round |",
+                  "|---|---:|---:|---|"]
+        lines += [f"| {key} | {med(BASELINE, key, 'tok_s'):.1f} | {statistics.median(ratios(key, BASELINE)):.2f}x | "
+                  f"{' '.join(f'{r:.2f}' for r in ratios(key, BASELINE))} |" for key in keys]
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)
     print(text)
