@@ -161,7 +161,10 @@ class SpecPolicy:
     settle_steps: int = 2             # plain steps after drafting that run slower (see Exploration)
     acceptance: list[Ewma] = field(default_factory=list)
     buckets: dict[BucketKey, BucketCosts] = field(default_factory=dict)
-    overhead: Ewma = field(default_factory=lambda: Ewma(0.0))
+    # The engine's time between runner steps: the median of the last few, not a mean. On a decode engine
+    # some gaps carry per-request work (a prompt's KV landing) or another process's turn on the core,
+    # which drafting does not amortise; counted as per-step overhead they made drafting look better.
+    overhead: RecentMedian = field(default_factory=lambda: RecentMedian(size=31))
     chosen_k_counts: list[int] = field(default_factory=list)  # decisions per k (exported as a metric)
     _exploration: Exploration | None = None
     _clock: int = 0                   # decisions so far, every bucket
@@ -202,7 +205,7 @@ class SpecPolicy:
 
     def record_overhead(self, seconds: float) -> None:
         """Engine time between two runner steps (scheduling, output processing)."""
-        self.overhead.update(seconds, 0.05)
+        self.overhead.update(self._clock, seconds)
 
     # -- the decision ----------------------------------------------------------------------
 
