@@ -34,8 +34,7 @@ def pd_outputs(tmp_path, model: str, prompts, params=GREEDY, decode_kwargs=None,
             run(wait_ready(client))
             results = run(generate_all(client, prompts, params, concurrency=8))
             run(wait_blocks_free(client))
-            stats = {name: p.core.stats() for name, p in engines.procs.items()}
-            return results, stats
+            return results, {name: p.core for name, p in engines.procs.items()}
     finally:
         engines.stop()
 
@@ -54,10 +53,9 @@ def test_pd_equals_colocated_equals_transformers(arch, checkpoints, references, 
 
 def test_pd_with_preemption_forced_on_decode(checkpoints, references, tmp_path):
     prompts = random_prompts(24, 100, 300, VOCAB, 72)
-    _, stats = None, None
-    results, stats = pd_outputs(tmp_path, str(checkpoints["qwen2"]), prompts,
+    results, cores = pd_outputs(tmp_path, str(checkpoints["qwen2"]), prompts,
                                 decode_kwargs=dict(num_kv_blocks=26, block_size=16))
-    assert stats["decode-0"].num_preemptions > 0
+    assert cores["decode-0"].stats().num_preemptions > 0
     for i, (p, r) in enumerate(zip(prompts, results)):
         assert r["error"] is None
         references["qwen2"].assert_matches(p, r["tokens"], NEW, f"preempt/prompt {i}")
@@ -81,10 +79,14 @@ def test_stale_slot_regression_under_pd(spec, checkpoints, mtp_checkpoints, refe
 
 def test_pd_with_mtp_equals_transformers(mtp_checkpoints, references, tmp_path):
     prompts = random_prompts(24, 1, 250, VOCAB, 74)
-    results, stats = pd_outputs(tmp_path, str(mtp_checkpoints["llama"]), prompts, spec="mtp")
+    results, cores = pd_outputs(tmp_path, str(mtp_checkpoints["llama"]), prompts, spec="mtp")
     for i, (p, r) in enumerate(zip(prompts, results)):
         assert r["error"] is None
         references["llama"].assert_matches(p, r["tokens"], NEW, f"pd+mtp/prompt {i}")
+    # Prefill hands every request off after t0: it never drafts, nor asks the policy (whose chosen-k
+    # counts are the metric); decode does both.
+    assert sum(cores["prefill-0"].runner.spec_policy.chosen_k_counts) == 0
+    assert sum(cores["decode-0"].runner.spec_policy.chosen_k_counts) > 0
 
 
 def test_request_finished_by_t0_on_prefill_releases_decode_reservation(checkpoints, references, tmp_path):
