@@ -9,9 +9,13 @@ turns workload by workload, the order alternating, so each pair of measurements 
 on this shared VM the speed moves by a third within a minute, and a fresh server per round left
 the same code 1.15x in one run and 1.44x in the next. The ratio is the median of the per-round
 ratios; tok/s are medians of rounds. The MTP server's policy keeps what it measured from round to
-round, as a long-running `make serve` does. Writes `benchmarks/results/spec_serving.md`.
+round, as a long-running `make serve` does; a first, untimed round (`--warmup-rounds`) runs every
+workload once on every server, so that the timed rounds see the steady state (the policy's
+warm-up measurements, the prefix cache of the repeated prompts). The warm-up round's ratio is
+reported too: what a fresh server pays in its first minute. Writes `benchmarks/results/spec_serving.md`.
 
-    python benchmarks/bench_spec_serving.py [--rounds 3] [--quick] [--workloads load16] [--baseline REV]
+    python benchmarks/bench_spec_serving.py [--rounds 3] [--warmup-rounds 1] [--quick] [--workloads load16]
+                                            [--baseline REV]
 
 `--baseline REV` also serves the default (MTP) of another commit, from a git worktree, turn by turn
 with the other two: a change to speculation measured against the code before it in the same minutes.
@@ -85,6 +89,7 @@ def chosen_k(per_round) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds first (reported apart)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workloads", default="batch1,load16", help="which of batch1, load16")
     ap.add_argument("--baseline", help="a git revision whose default (MTP) server also runs")
@@ -107,7 +112,8 @@ def main() -> None:
         for proc, port in procs.values():
             wait_healthy(proc, port)
         names = list(servers)
-        for i in range(1 if args.quick else args.rounds):
+        warmup = 0 if args.quick else args.warmup_rounds
+        for i in range(1 if args.quick else warmup + args.rounds):
             for server in servers:
                 runs[server].append({})
             for j, (name, flags) in enumerate(loads.items()):
@@ -120,6 +126,8 @@ def main() -> None:
             stop_process_group(proc)
         if args.baseline:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
+    warm = {server: r[:warmup] for server, r in runs.items()}
+    runs = {server: r[warmup:] for server, r in runs.items()}
     keys = list(runs["mtp"][0])
 
     def med(server: str, key: str, field: str) -> float:
@@ -127,22 +135,26 @@ def main() -> None:
         values = [r[key][field] for r in runs[server] if not math.isnan(r[key][field])]
         return statistics.median(values) if values else float("nan")
 
-    def ratios(key: str, server: str = "mtp") -> list[float]:
-        return [m[key]["tok_s"] / n[key]["tok_s"] for m, n in zip(runs[server], runs["none"])]
+    def ratios(key: str, server: str = "mtp", rounds=runs) -> list[float]:
+        return [m[key]["tok_s"] / n[key]["tok_s"] for m, n in zip(rounds[server], rounds["none"])]
 
     lines = [f"# MTP through the server (`benchmarks/bench_spec_serving.py`, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"{os.cpu_count()} cores; `pdserve serve` defaults (1 prefill + 1 decode engine) with and without "
              f"`--speculative-method none`, both up for the whole run, taking turns workload by workload; "
-             f"{len(runs['mtp'])} round(s); MTP / no spec is the median of the per-round ratios.", "",
-             "| workload | no spec tok/s | MTP tok/s | MTP / no spec | per round | ITL p50 no spec / MTP (ms) | "
-             "TTFT p50 no spec / MTP (ms) | MTP acceptance length | MTP steps by k chosen (mean share) | failed |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---|---:|"]
+             f"{len(runs['mtp'])} timed round(s) after {warmup} untimed; MTP / no spec is the median of the "
+             f"per-round ratios.", "",
+             "| workload | no spec tok/s | MTP tok/s | MTP / no spec | per round | warm-up round | "
+             "ITL p50 no spec / MTP (ms) | TTFT p50 no spec / MTP (ms) | MTP acceptance length | "
+             "MTP steps by k chosen (mean share) | failed |",
+             "|---|---:|---:|---:|---|---|---:|---:|---:|---|---:|"]
     for key in keys:
         base, mtp = med("none", key, "tok_s"), med("mtp", key, "tok_s")
         failed = sum(r[key]["failed"] for s in runs for r in runs[s])
         lines.append(f"| {key} | {base:.1f} | {mtp:.1f} | {statistics.median(ratios(key)):.2f}x | "
-                     f"{' '.join(f'{r:.2f}' for r in ratios(key))} | {med('none', key, 'itl_p50'):.1f} / "
+                     f"{' '.join(f'{r:.2f}' for r in ratios(key))} | "
+                     f"{' '.join(f'{r:.2f}' for r in ratios(key, rounds=warm)) or '-'} | "
+                     f"{med('none', key, 'itl_p50'):.1f} / "
                      f"{med('mtp', key, 'itl_p50'):.1f} | {med('none', key, 'ttft_p50'):.1f} / "
                      f"{med('mtp', key, 'ttft_p50'):.1f} | {med('mtp', key, 'accept_len'):.2f} | "
                      f"{chosen_k(r[key]['chosen_k'] for r in runs['mtp'])} | {failed} |")

@@ -235,9 +235,9 @@ class ModelRunner:
 
     def _verify_matching(self, logits: torch.Tensor, k: np.ndarray, slots: np.ndarray,
                          drafts: list[list[int]]) -> list[list[int]]:
-        """Tokens kept per row: every verified position sampled from the target with its own keyed
-        noise (argmax for greedy rows), and the drafts that equal those samples
-        (rejection_sampler.accept_matching_prefix). Sets _sampled_step."""
+        """Tokens kept per row: every verified position sampled from the target (argmax for greedy
+        rows; the noise of a drafted position keyed, see _position_metadata), and the drafts that
+        equal those samples (rejection_sampler.accept_matching_prefix). Sets _sampled_step."""
         if self._plain_greedy(slots):  # the target's argmax at every position, no metadata needed
             self._sampled_step = False
             targets = fused_ops.argmax(logits.float()).tolist()
@@ -248,7 +248,8 @@ class ModelRunner:
         pos_slots = np.repeat(slots, width)
         out_index = np.repeat(self._num_output(slots) - starts, width) + np.arange(int(width.sum()))
         drafts_before = [d[:j] for d in drafts for j in range(len(d) + 1)]
-        meta = self._position_metadata(pos_slots, out_index, drafts_before)
+        drafted = np.arange(int(width.sum())) < np.repeat(starts + k, width)  # all but each row's bonus
+        meta = self._position_metadata(pos_slots, out_index, drafts_before, drafted)
         self._sampled_step = not meta.all_greedy  # (for the speculation policy's cost tables)
         constrained = self.grammar.any_active(slots.tolist())
         if constrained:  # structured output: position j masked after drafts[:j]
@@ -310,11 +311,18 @@ class ModelRunner:
     def _num_output(self, slots: np.ndarray) -> np.ndarray:
         return self.states.total_len_np[slots] - self.states.prompt_len[slots]
 
-    def _position_metadata(self, slots: np.ndarray, out_index: np.ndarray,
-                           drafts_before: list[list[int]] | None) -> SamplingMetadata:
+    def _position_metadata(self, slots: np.ndarray, out_index: np.ndarray, drafts_before: list[list[int]] | None,
+                           drafted: np.ndarray | None = None) -> SamplingMetadata:
         """One row per sampled output position: the request's settings, the generator keyed by
-        (seed, output index), the min_tokens ban of that index, and -- when `drafts_before` is
-        given and a penalty is on -- the penalty context a non-speculative step would see there."""
+        (seed, output index) where it needs one, the min_tokens ban of that index, and -- when
+        `drafts_before` is given and a penalty is on -- the penalty context a non-speculative step
+        would see there. `drafted`: the positions a draft is (or will be) verified at (None: all).
+
+        Keyed noise is for a seeded request (its tokens must not depend on where they are sampled)
+        and for a drafted position (a coupled draft is drawn with the noise its verifier uses).
+        Elsewhere an unseeded request draws from the engine's default generator: one uniform per row
+        (Sampler.sample_from_probs), where V keyed uniforms were ~40% of the sampling of a batch-16
+        step, and most steps under load draft nothing."""
         st, dev = self.states, self.device
         slot_list, index_list = slots.tolist(), out_index.tolist()
         params = [st.sampling_params[s] for s in slot_list]
@@ -323,8 +331,10 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, device=dev)
 
         temps = [p.temperature for p in params]
-        generators = [None if t < GREEDY_TEMPERATURE_EPS else position_generator(st.seeds[s], i, dev)
-                      for t, s, i in zip(temps, slot_list, index_list)]
+        keyed = [True] * len(slot_list) if drafted is None else drafted.tolist()
+        generators = [position_generator(st.seeds[s], i, dev)
+                      if t >= GREEDY_TEMPERATURE_EPS and (key or p.seed is not None) else None
+                      for t, s, i, key, p in zip(temps, slot_list, index_list, keyed, params)]
         # min_tokens: output index i may not stop while i < min_tokens (per position of a verify window).
         banned = [list(self.eos_token_ids) + p.stop_token_ids if i < p.min_tokens else []
                   for p, i in zip(params, index_list)]
@@ -346,8 +356,8 @@ class ModelRunner:
             output_token_ids=output_ids,
             banned_token_ids=banned if any(banned) else None,
             max_num_logprobs=-1,
-            all_greedy=all(g is None for g in generators),
-            no_greedy=all(g is not None for g in generators),
+            all_greedy=all(t < GREEDY_TEMPERATURE_EPS for t in temps),
+            no_greedy=all(t >= GREEDY_TEMPERATURE_EPS for t in temps),
             no_penalties=prompt_ids is None,
             no_top_k=all(p.top_k <= 0 for p in params),
             no_top_p=all(p.top_p >= 1.0 for p in params),

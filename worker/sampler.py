@@ -11,8 +11,8 @@ Reproducibility contract: a random row with its own ``torch.Generator`` draws
 exactly ``V`` uniform variates (turned into exponentials) from that generator per sampled token, and
 every other stage is row-wise. Its token therefore depends only on its seed, its
 generator's history and its own logits -- never on the batch size, its position
-in the batch or the other rows. Rows without a generator share one batched draw
-from the sampler's default generator.
+in the batch or the other rows. Rows without a generator draw from the sampler's
+default generator (by inverse CDF, one uniform each).
 """
 from __future__ import annotations
 
@@ -424,45 +424,54 @@ class Sampler:
     def sample_from_probs(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Draw one token per row from ``probs`` ``[B, V]`` (rows need not be normalised).
 
-        Exponential race: with q_i ~ Exp(1) i.i.d., argmax_i p_i / q_i is distributed as
-        p / sum(p). Seeded rows draw their ``V`` uniforms from their own generator, so the
-        result is independent of the rest of the batch; the others share one batched draw.
-        Greedy rows return the argmax of their (one-hot) row; whether their generator is
-        advanced does not matter, since a greedy request never uses randomness.
+        Rows with their own generator (seeded or keyed noise): exponential race -- with q_i ~ Exp(1)
+        i.i.d., argmax_i p_i / q_i is distributed as p / sum(p) -- from ``V`` uniforms of that
+        generator, so the token depends on nothing but the generator and the row, and a draft drawn
+        from the same noise is coupled to it. The other random rows: inverse CDF, one uniform each
+        from the default generator (the first token whose cumulative mass exceeds u * total; a token
+        of zero mass adds nothing to the sum and is never picked): V uniforms and their logs cost
+        ~10x a row's cumulative sum. Greedy rows: the argmax of their (one-hot) row.
         """
         num_rows, vocab = probs.shape
         if num_rows == 0:
             return torch.empty(0, dtype=torch.long, device=probs.device)
         if meta.all_greedy:
             return fused_ops.argmax(probs)
-
-        q = torch.empty_like(probs, dtype=torch.float32)
-        unseeded = [r for r, g in enumerate(meta.generators) if g is None]
-        default_gen = self._default_generator(probs.device) if unseeded else None
-        if len(unseeded) == num_rows:
-            q.uniform_(generator=default_gen)
-        elif unseeded:
-            idx = torch.tensor(unseeded, dtype=torch.long, device=probs.device)
-            q[idx] = torch.empty(len(unseeded), vocab, device=probs.device).uniform_(generator=default_gen)
-        for r, gen in enumerate(meta.generators):
-            if gen is None:
-                continue
-            if gen.device.type != probs.device.type:
-                raise ValueError(
-                    f"row {r}: its generator is on {gen.device} but the logits are on {probs.device}; "
-                    "create per-request generators on the model's device"
-                )
-            q[r].uniform_(generator=gen)  # contiguous row view: exactly V draws
-        # Exp(1) = -log(1 - U), transformed for the whole batch at once: uniform_ plus one
-        # vectorised log1p costs a quarter of exponential_ (about 25 us against 120 us per
-        # 4096-token row on CPU), and every random position of a step pays it.
-        q.neg_().log1p_().neg_()
-
-        race = fused_ops.argmax(probs.float() / q.clamp_min_(_MIN_EXP_SAMPLE))
-        if meta.no_greedy:
-            return race
-        greedy = meta.temperature < GREEDY_TEMPERATURE_EPS
-        return torch.where(greedy, fused_ops.argmax(probs), race)
+        probs = probs.float()
+        greedy = None if meta.no_greedy else (meta.temperature < GREEDY_TEMPERATURE_EPS).tolist()
+        keyed = [r for r, g in enumerate(meta.generators) if g is not None]
+        unkeyed = [r for r in range(num_rows) if meta.generators[r] is None and not (greedy and greedy[r])]
+        sampled = fused_ops.argmax(probs) if greedy is not None else torch.empty(num_rows, dtype=torch.long,
+                                                                                 device=probs.device)
+        if unkeyed:
+            rows = probs if len(unkeyed) == num_rows else probs[torch.tensor(unkeyed, device=probs.device)]
+            cdf = rows.cumsum(dim=-1)
+            u = torch.rand(len(unkeyed), 1, generator=self._default_generator(probs.device), device=probs.device)
+            tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_max_(vocab - 1)
+            if len(unkeyed) == num_rows:
+                return tokens
+            sampled[torch.tensor(unkeyed, device=probs.device)] = tokens
+        if keyed:
+            q = torch.empty(len(keyed), vocab, dtype=torch.float32, device=probs.device)
+            for i, r in enumerate(keyed):
+                gen = meta.generators[r]
+                if gen.device.type != probs.device.type:
+                    raise ValueError(
+                        f"row {r}: its generator is on {gen.device} but the logits are on {probs.device}; "
+                        "create per-request generators on the model's device"
+                    )
+                q[i].uniform_(generator=gen)  # contiguous row view: exactly V draws
+            # Exp(1) = -log(1 - U), transformed for all rows at once: uniform_ plus one vectorised
+            # log1p costs a quarter of exponential_ (about 25 us against 120 us per 4096-token row on CPU).
+            q.neg_().log1p_().neg_()
+            rows = probs if len(keyed) == num_rows else probs[torch.tensor(keyed, device=probs.device)]
+            race = fused_ops.argmax(rows / q.clamp_min_(_MIN_EXP_SAMPLE))
+            if len(keyed) == num_rows and greedy is None:
+                return race
+            keep = race if greedy is None else torch.where(
+                torch.tensor([greedy[r] for r in keyed], device=probs.device), sampled[keyed], race)
+            sampled[torch.tensor(keyed, device=probs.device)] = keep
+        return sampled
 
     @staticmethod
     def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_top: int) -> LogprobsTensors:
