@@ -72,7 +72,7 @@ def rejection_verify(logits: torch.Tensor, temperature: torch.Tensor, num_drafts
     """Standard rejection sampling of independently drawn drafts at plain temperature ([rows, 2]
     int64: drafts accepted, then the token after them); see rejection_verify in fused_ops.cpp.
     logits [sum(1 + k), V]; temperature [rows]; num_drafts [rows] and drafts [sum k] int32; q
-    [sum k, Vd] over `vocab_ids` (None: the whole vocabulary); accept_u [sum k]; final_u [rows, V]."""
+    [sum k, Vd] over `vocab_ids` (None: the whole vocabulary); accept_u [sum k]; final_u [rows]."""
     if _fused(logits) and logits.is_contiguous():
         ids = vocab_ids if vocab_ids is not None else torch.empty(0, dtype=torch.long)
         return torch.ops.pdserve_fused.rejection_verify(logits, temperature, num_drafts, drafts, q.contiguous(), ids,
@@ -92,7 +92,9 @@ def rejection_verify(logits: torch.Tensor, temperature: torch.Tensor, num_drafts
                 dist = residual if residual.sum() > 0 else probs[m]
                 break
             m += 1
-        race = dist / (-torch.log1p(-final_u[r])).clamp_min(torch.finfo(torch.float32).tiny)
-        out[r, 0], out[r, 1] = m, int(race.argmax())
+        support = torch.nonzero(dist > 0).squeeze(1)
+        running = dist[support].cumsum(0)
+        pick = int(torch.searchsorted(running, final_u[r] * dist.sum(), right=True))
+        out[r, 0], out[r, 1] = m, int(support[min(pick, len(support) - 1)])
         pos, start = pos + k + 1, start + k
     return out

@@ -275,7 +275,7 @@ class ModelRunner:
             logits.float(), temps.to(dev), torch.from_numpy(k.astype(np.int32)).to(dev),
             torch.tensor([t for d in drafts for t in d], dtype=torch.int32, device=dev), q, self.model.draft_vocab,
             torch.rand(q.shape[0], generator=gen, device=dev),
-            torch.rand(len(slots), logits.shape[1], generator=gen, device=dev)).tolist()
+            torch.rand(len(slots), generator=gen, device=dev)).tolist()
         return [d[:m] + [tok] for d, (m, tok) in zip(drafts, result)]
 
     def _plain_greedy(self, slots: np.ndarray) -> bool:

@@ -172,8 +172,9 @@ at::Tensor argmax(const at::Tensor& logits) {
 // positions back to back, rows in order); p_j = softmax(logits_j / temperature[r]). Draft j is
 // accepted while accept_u * q_j(d_j) < p_j(d_j) (probability min(1, p/q)); at the first rejection
 // the token is drawn from max(0, p_j - q_j) (p_j itself where that is all zero), else the bonus from
-// p_k. Draws are exponential races with final_u[r] (V uniforms per row): argmax_v p_v / E_v with
-// E = -log1p(-U), as Sampler.sample_from_probs. q [sum k, Vd] covers the draft vocabulary
+// p_k. That draw is by inverse CDF with one uniform final_u[r]: the first token whose running mass
+// exceeds final_u[r] times the total (a token of zero mass is never picked), as Sampler.sample_from_probs
+// draws an unkeyed row (V uniforms and their logs cost ~10x the pass). q [sum k, Vd] covers the draft vocabulary
 // vocab_ids (int64 [Vd]; empty: the whole vocabulary). Returns [rows, 2] int64: the number of
 // accepted drafts and the token after them. worker/fused_ops.py holds the torch reference; the
 // torch RejectionSampler takes ~20 dispatches for what is a few passes over the vocabulary here.
@@ -202,18 +203,17 @@ at::Tensor rejection_verify(const at::Tensor& logits, const at::Tensor& temperat
                                    vocab_ids.is_contiguous())
                                 : (total == 0 || Vd == V),
               "rejection_verify: vocab_ids must be the int64 id of each q column (or empty with q over the vocabulary)");
-  TORCH_CHECK(final_u.scalar_type() == at::kFloat && final_u.is_contiguous() && final_u.numel() == R * V,
-              "rejection_verify: final_u must be [rows, vocab] float32");
-  // The passes with a transcendental per entry as torch ops (vectorised, unlike a scalar loop built
-  // without -ffast-math): every position's p, and every row's exponential variates.
+  TORCH_CHECK(final_u.scalar_type() == at::kFloat && final_u.is_contiguous() && final_u.numel() == R,
+              "rejection_verify: final_u must be [rows] float32");
+  // The pass with a transcendental per entry as a torch op (vectorised, unlike a scalar loop built
+  // without -ffast-math): every position's p.
   at::Tensor temps = at::empty({logits.size(0), 1}, logits.options());
   const float* t = temperature.data_ptr<float>();
   for (int64_t r = 0, pos = 0; r < R; pos += nd[r] + 1, ++r)
     std::fill(temps.data_ptr<float>() + pos, temps.data_ptr<float>() + pos + nd[r] + 1, t[r]);
   const at::Tensor probs = at::softmax(logits / temps, 1);
-  const at::Tensor expo = final_u.neg().log1p_().neg_().clamp_min_(std::numeric_limits<float>::min());
   const float* pp = probs.data_ptr<float>();
-  const float* ep = expo.data_ptr<float>();
+  const float* fu = final_u.data_ptr<float>();
   const int32_t* dp = drafts.data_ptr<int32_t>();
   const float* qp = total ? q.data_ptr<float>() : nullptr;
   const int64_t* ids = vocab_ids.numel() ? vocab_ids.data_ptr<int64_t>() : nullptr;
@@ -238,13 +238,20 @@ at::Tensor rejection_verify(const at::Tensor& logits, const at::Tensor& temperat
       break;
     }
     if (dist == nullptr) dist = pp + (pos + m) * V;  // every draft accepted: the bonus from p_k
-    const float* e = ep + r * V;
-    int64_t best = 0;
-    float top = -1.f;
+    float mass = 0.f;
+    for (int64_t v = 0; v < V; ++v) mass += dist[v];
+    const float target = fu[r] * mass;
+    float run = 0.f;
+    int64_t best = -1, last = 0;
     for (int64_t v = 0; v < V; ++v) {
-      const float score = dist[v] / e[v];
-      if (score > top) top = score, best = v;
+      if (dist[v] <= 0.f) continue;
+      last = v;
+      if ((run += dist[v]) > target) {
+        best = v;
+        break;
+      }
     }
+    if (best < 0) best = last;  // (rounding: the running sum stopped short of target)
     op[2 * r] = m;
     op[2 * r + 1] = best;
   }
