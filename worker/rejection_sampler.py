@@ -6,8 +6,9 @@ position ``j`` predicts the token after draft ``j`` (verifying draft ``j + 1``),
 and position ``k_b`` yields the bonus token when every draft is accepted.
 
 The engine verifies with :func:`accept_matching_prefix` (below): every position is
-sampled from the target distribution with noise keyed by (request seed, output
-index), and the drafts are accepted while they equal those samples. For a draft
+sampled from the target distribution -- with noise keyed by (request seed, output
+index) for a seeded request and at every drafted position, from the engine's default
+generator elsewhere -- and the drafts are accepted while they equal those samples. For a draft
 proposed deterministically this *is* the rejection sampling described next (it
 accepts with probability ``p(d)`` and, on a rejection, emits a token distributed as
 ``p`` without ``d``), realised with a particular choice of randomness; for drafts
