@@ -135,6 +135,27 @@ def test_unseen_batch_size_borrows_its_neighbours_costs():
     assert [batch_bucket(b) for b in (1, 4, 5, 6, 7, 12, 13, 33, 48)] == [1, 4, 4, 6, 6, 12, 12, 32, 48]
 
 
+def test_a_bucket_the_batch_only_passes_through_is_not_measured():
+    """Under load the batch fills up again after each wave of requests ends: a few steps at 8-12 rows
+    each time, then hundreds at 16. The middle buckets come back every wave but the batch never stays:
+    a measurement started there (steps at 2-4x a plain one) would be abandoned a few steps later, so
+    they decide from their neighbours' timings; bucket 16, where the batch stays, is measured."""
+    policy = SpecPolicy(3)
+    drafted_in_passing, k_prev = [], None
+    for wave in range(12):
+        for rows in [8] * 4 + [12] * 4 + [16] * 150:
+            k = 0 if policy.holds_k0(rows) else policy.choose(rows)
+            if k_prev == k:
+                policy.record_step(rows, k, (3.0 + 0.2 * rows) * (1 + 0.7 * k) / 1e3)
+            if k:
+                policy.record_acceptance([k] * rows, [min(k, j % 3) for j in range(rows)])
+                if rows < 16 and wave:
+                    drafted_in_passing.append((wave, rows, k))
+            k_prev = k
+    assert not drafted_in_passing, drafted_in_passing
+    assert policy.buckets[16, False].explorations >= 3 and policy.best_k(16) == 0, policy.summary()
+
+
 def test_a_k_that_clearly_loses_is_not_measured_again_at_every_batch_size():
     """Measuring k at a big CPU batch costs steps at 2-4x a plain one: once bucket 16 showed that
     drafting loses there, bucket 12 (settled, never measured) does not explore each k for itself;

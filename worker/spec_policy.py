@@ -8,7 +8,8 @@ the last few), per batch-size bucket, plus the time the engine spends outside th
 between steps. Greedy and sampling steps keep separate tables: sampling (softmax, the drafter's
 own distribution, keyed noise) makes a verify step cost more than argmax does. The policy picks
 the k that maximises ``E(k) / C(b, k)`` (tokens per second;
-``b`` cancels); a bucket seen only in passing borrows its neighbours' timings. Ideas from vLLM's
+``b`` cancels); a bucket the batch only passes through (draining, or filling up again after a wave
+of requests under load) is never measured -- it borrows its neighbours' timings. Ideas from vLLM's
 disable-by-batch-size and from goodput-based SmartSpec, but measured rather than configured:
 on a CPU a verify step's cost grows with its rows, so the best k depends on the batch.
 
@@ -97,6 +98,7 @@ class BucketCosts:
     confirmed: int = 0                # re-measurements in a row that left the decision as it was
 
     ratios: list[RecentMedian] = field(default_factory=list)  # per k: C(k) / C(0) from explorations
+    visits: Ewma = field(default_factory=lambda: Ewma(0.0))   # decisions per visit (the batch staying here)
 
     def ratio(self, k: int) -> float | None:
         return self.ratios[k].value if self.ratios[k].count else None
@@ -148,7 +150,7 @@ class SpecPolicy:
     hold_steps: int = 3               # an exploration holds k this long past the transition step
     explore_every: int = 500          # decisions per bucket between re-measurements (at most)
     first_reexplore: int = 32         # ... starting this soon and doubling
-    settle_decisions: int = 16        # decisions at a bucket before it is measured for itself
+    settle_decisions: int = 16        # decisions in a row at a bucket before it is measured for itself
     margin: float = 1.03              # how much faster drafting must look than not drafting ...
     doubt: float = 0.2                # ... plus this over the number of cost ratios behind it
     backfill_per_row: int = 8         # re-measure when the skipped MTP positions are at most this per row
@@ -170,6 +172,8 @@ class SpecPolicy:
     _clock: int = 0                   # decisions so far, every bucket
     _drafted_at: int = -(1 << 30)     # the _clock of the last decision to draft
     _held: Held | None = None
+    _current: BucketKey | None = None  # the bucket of the last decision ...
+    _streak: int = 0                  # ... and how many decisions in a row it has been
     # Per bucket, every bucket nearest first (see _nearest); rebuilt when a bucket is added.
     _order: dict[BucketKey, list[BucketKey]] = field(default_factory=dict)
 
@@ -241,12 +245,14 @@ class SpecPolicy:
         held.costs.decisions += 1
         self.chosen_k_counts[0] += 1
         self._clock += 1
+        self._streak += 1  # (the same batch size: the same bucket)
         return True
 
     def _adaptive(self, batch_size: int, pending: int, sampled: bool) -> int:
         bucket = (batch_bucket(batch_size), sampled)
         costs = self._bucket(batch_size, sampled)
         costs.decisions += 1
+        self._visit(bucket)
         e = self._exploration
         if e is not None and e.bucket == bucket and e.plan:
             return e.plan.pop(0)
@@ -259,9 +265,11 @@ class SpecPolicy:
 
         plausible = self._plausible(bucket)
         unmeasured = self._unmeasured(bucket, costs, plausible)
-        # A bucket passed through briefly (a batch draining) decides from its neighbours' timings;
-        # one that keeps coming back, or one nothing is known about, gets measured.
-        settled = costs.decisions > self.settle_decisions or None in estimates
+        # A bucket passed through briefly (a batch draining, or filling up again under load: each
+        # time for a few steps) decides from its neighbours' timings, and a measurement started there
+        # would be abandoned when the batch moves on; one the batch stays at, or one nothing is known
+        # about, gets measured.
+        settled = self._stays(costs) or None in estimates
         interval = self._interval(costs)
         stale = min(plausible, key=lambda k: costs.last_measured[k])
         if len(plausible) > 2 and estimates[0] is not None and not self.best_k(bucket, estimates):
@@ -277,7 +285,7 @@ class SpecPolicy:
         # MTP layer at their previous batch size), wait for a moment with little backfill to pay
         # (new rows, a flush), up to 4 intervals (a warm-up: 4 first ones, see below).
         little = pending <= self.backfill_per_row * batch_size
-        due = self._due(costs, stale, interval, little)
+        due = self._due(costs, stale, interval, little) and self._stays(costs)
         # Resuming drafting first pays the backfill of every skipped position: with much of it
         # pending, drafting must win by `resume_margin` more (near break-even, the decision would
         # flip with the noise and pay a backfill at each flip).
@@ -295,6 +303,20 @@ class SpecPolicy:
             self._held = Held(bucket, costs.decisions + self.hold_decisions, stale, interval, batch_size, costs,
                               costs.last_measured[stale] + interval + 1)
         return best
+
+    def _visit(self, bucket: BucketKey) -> None:
+        """Count the decision towards the current visit of `bucket` (a visit ends when a decision is
+        taken at another bucket)."""
+        if bucket != self._current:
+            if self._current is not None:
+                self.buckets[self._current].visits.update(self._streak, 0.25)
+            self._current, self._streak = bucket, 0
+        self._streak += 1
+
+    def _stays(self, costs: BucketCosts) -> bool:
+        """Whether the batch stays at the current bucket (`costs`): for a while now, or usually (so a
+        re-measurement may start as the batch arrives, when the rows have the least backfill pending)."""
+        return self._streak > self.settle_decisions or costs.visits.value > self.settle_decisions
 
     def _plausible(self, bucket: BucketKey) -> list[int]:
         """The k that could win at `bucket`. Measuring k costs a few steps at k (a big batch on a CPU
