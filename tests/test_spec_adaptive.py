@@ -48,6 +48,20 @@ def test_expected_tokens_is_one_plus_cumulative_acceptance():
     assert policy.expected_tokens(3) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
 
 
+def test_a_few_early_drafts_do_not_settle_a_later_positions_acceptance():
+    """A later position's acceptance starts from the one before it, worth `prior_drafts` drafts:
+    one unlucky warm-up measurement (4 of 16 second drafts kept where the first keeps 56%) must
+    not make k=2 look hopeless, and many drafts still pull the estimate to what they show."""
+    policy = SpecPolicy(2)
+    policy.record_acceptance([1] * 100, [1] * 56 + [0] * 44)
+    policy.record_acceptance([2] * 16, [2] * 4 + [1] * 12)
+    prior = policy.acceptance[0].value  # (position 1's prior; 4 of the 16 is 0.25)
+    assert policy.acceptance[1].value == pytest.approx((4 + 16 * prior) / 32) and policy.acceptance[1].value > 0.4
+    for _ in range(20):
+        policy.record_acceptance([2] * 50, [2] * 10 + [1] * 40)
+    assert policy.acceptance[1].value == pytest.approx(0.2, abs=0.03)
+
+
 @pytest.mark.parametrize("costs,accept,best", [
     ([5.0, 6.0, 6.5], [0.8, 0.8], 2),    # drafting is nearly free and mostly right: draft all K
     ([5.0, 10.0, 14.0], [0.8, 0.8], 0),  # a big batch on a CPU: verifying costs more than it gains

@@ -145,6 +145,7 @@ class SpecPolicy:
     mode: SpecPolicyMode = SpecPolicyMode.ADAPTIVE
     prior_acceptance: float = 0.5
     acceptance_alpha: float = 0.01    # per verified draft
+    prior_drafts: int = 16            # what a position's prior weighs, in verified drafts (see record_acceptance)
     warmup_samples: int = 3           # timed steady-state steps of k=0 before exploiting
     warmup_pairs: int = 2             # explorations (k, then k=0) per k>0 before exploiting
     hold_steps: int = 3               # an exploration holds k this long past the transition step
@@ -191,10 +192,16 @@ class SpecPolicy:
             if not seen:
                 continue
             est, n = self.acceptance[i], len(seen)
-            # A plain mean of everything seen until there are 1/alpha observations (the first
-            # few drafts must not count for more than they are worth), an EWMA after that;
+            if not est.count and i:
+                # The prior of a later position: the one before it (conditional acceptance varies
+                # little along the chain: 0.54 0.54 0.53 at temperature 1 on the bundled model).
+                est.value = self.acceptance[i - 1].value
+            # A plain mean of everything seen, the prior counted as `prior_drafts` of them, until
+            # there are 1/alpha observations (the first few drafts must not count for more than they
+            # are worth: a later position sees drafts only while k reaches it, and 16 unlucky ones in
+            # a warm-up kept k=2 out at batch 1, T=1, for thousands of steps), an EWMA after that;
             # a batch of n observations weighs like n single updates.
-            alpha = max(1 - (1 - self.acceptance_alpha) ** n, n / (est.count + n))
+            alpha = max(1 - (1 - self.acceptance_alpha) ** n, n / (est.count + n + self.prior_drafts))
             est.value += alpha * (sum(seen) / n - est.value)
             est.count += n
 
