@@ -230,6 +230,15 @@ def test_sample_from_probs_respects_support() -> None:
     assert set(tokens[:, 2].tolist()) == {0, 3}  # unnormalised rows are fine
 
 
+def test_an_unkeyed_draw_at_the_top_of_its_uniform_never_picks_a_token_of_zero_mass(monkeypatch) -> None:
+    """Rows without a generator draw by inverse CDF with one uniform: even a uniform at (or rounded
+    to) the top of [0, 1) lands on the last token of nonzero mass, never on a banned one after it."""
+    probs = torch.tensor([[0.2, 0.8, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [1e-3, 0.0, 0.0, 0.0]])
+    for u in (1.0 - 2.0**-24, 1.0):
+        monkeypatch.setattr(torch, "rand", lambda *size, u=u, **kwargs: torch.full(size, u))
+        assert Sampler(seed=0).sample_from_probs(probs, meta_for(3)).tolist() == [1, 2, 0]
+
+
 # ----------------------------------------------------------------- seeding
 
 

@@ -447,7 +447,11 @@ class Sampler:
             rows = probs if len(unkeyed) == num_rows else probs[torch.tensor(unkeyed, device=probs.device)]
             cdf = rows.cumsum(dim=-1)
             u = torch.rand(len(unkeyed), 1, generator=self._default_generator(probs.device), device=probs.device)
-            tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_max_(vocab - 1)
+            total = cdf[:, -1:].contiguous()
+            # (capped at the last token of nonzero mass, the first to reach the total, should rounding
+            # ever put u * total at the total: a banned or masked token must never come out)
+            tokens = torch.minimum(torch.searchsorted(cdf, u * total, right=True),
+                                   torch.searchsorted(cdf, total)).squeeze(1)
             if len(unkeyed) == num_rows:
                 return tokens
             sampled[torch.tensor(unkeyed, device=probs.device)] = tokens
