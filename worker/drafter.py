@@ -103,10 +103,10 @@ class MTPDrafter:
         # Rows whose prompt KV is handed to a decode instance (tapped) leave this engine after this
         # step: they need the MTP layer's KV of every prompt position now (no later pass would
         # backfill it; that includes a prompt cached up to its last token, which starts here as a
-        # decode row), and drafts for them would be thrown away (D drafts from t0 itself).
+        # decode row). (Such an engine never drafts: ModelRunner.proposes_drafts.)
         handed_over = (self.kv_tap.tapped(batch.req_ids) if self.kv_tap is not None
                        else np.zeros(len(batch.req_ids), dtype=bool))
-        drafting = batch.samples & (k > 0) & ~handed_over
+        drafting = batch.samples & (k > 0)
         in_pass = batch.is_prefilling | drafting | handed_over
         overflow = self._stash(batch, hidden, n_valid, ~in_pass)
         self.flushed = bool(overflow.any())

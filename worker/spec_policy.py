@@ -276,7 +276,8 @@ class SpecPolicy:
         # time for a few steps) decides from its neighbours' timings, and a measurement started there
         # would be abandoned when the batch moves on; one the batch stays at, or one nothing is known
         # about, gets measured.
-        settled = self._stays(costs) or None in estimates
+        stays = self._stays(costs)
+        settled = stays or None in estimates
         interval = self._interval(costs)
         stale = min(plausible, key=lambda k: costs.last_measured[k])
         if len(plausible) > 2 and estimates[0] is not None and not self.best_k(bucket, estimates):
@@ -292,7 +293,7 @@ class SpecPolicy:
         # MTP layer at their previous batch size), wait for a moment with little backfill to pay
         # (new rows, a flush), up to 4 intervals (a warm-up: 4 first ones, see below).
         little = pending <= self.backfill_per_row * batch_size
-        due = self._due(costs, stale, interval, little) and self._stays(costs)
+        due = stays and self._due(costs, stale, interval, little)
         # Resuming drafting first pays the backfill of every skipped position: with much of it
         # pending, drafting must win by `resume_margin` more (near break-even, the decision would
         # flip with the noise and pay a backfill at each flip).
