@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -147,9 +146,16 @@ def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float
 
 
 def _time_both_ways(timed: list[Linear], reps: int, timer: Callable[[], float]) -> dict[tuple, list[float]]:
-    """(shape, packed?) -> per TUNE_ROWS entry, the median seconds of a sweep's linears of that
+    """(shape, packed?) -> per TUNE_ROWS entry, the fastest sweep's seconds for the linears of that
     shape. Sweeps run over the linears in model order, as a forward runs them (each finds the
-    caches as a forward leaves them), packed and plain in alternation."""
+    caches as a forward leaves them), packed and plain in alternation.
+
+    The fastest, not the median: an engine tunes while its siblings start (the server, the other
+    engine, a second server in a benchmark), and a process sharing the core delays most of the
+    sweeps of a row count, not all. With the median such engines chose lm_head packed from 8 or
+    64 rows and gate_up from 16 or 32 (undisturbed: 4 and never; whole steps several % slower),
+    so two servers of the same code served at different speeds; the minimum chose the undisturbed
+    thresholds in every such start."""
     shapes = {_shape(lin) for lin in timed}
     seconds: dict[tuple, list[float]] = {(shape, use): [] for shape in shapes for use in (True, False)}
     with torch.inference_mode():
@@ -167,7 +173,7 @@ def _time_both_ways(timed: list[Linear], reps: int, timer: Callable[[], float]) 
                     for shape, t in total.items():
                         samples[shape, use].append(t)
             for key, times in samples.items():
-                seconds[key].append(statistics.median(times))
+                seconds[key].append(min(times))
     return seconds
 
 
