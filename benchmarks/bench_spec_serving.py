@@ -43,6 +43,7 @@ from server.procs import stop_process_group  # noqa: E402
 
 SERVERS = {"mtp": [], "none": ["--speculative-method", "none"]}
 BASELINE = "baseline"  # the --baseline revision's default server
+HISTORY = "Every run"  # where the hand-kept history of an --out file starts (kept when it is rewritten)
 
 
 def workloads(data: Path, quick: bool) -> dict[str, list[str]]:
@@ -107,10 +108,9 @@ def main() -> None:
     runs: dict[str, list[dict[str, dict[str, float]]]] = {s: [] for s in servers}
     procs = {}
     try:
-        for server, (flags, repo) in servers.items():
+        for server, (flags, repo) in servers.items():  # one at a time: engines tune their kernels as they start
             procs[server] = start(flags, work / f"{server}.log", repo)
-        for proc, port in procs.values():
-            wait_healthy(proc, port)
+            wait_healthy(*procs[server])
         names = list(servers)
         warmup = 0 if args.quick else args.warmup_rounds
         for i in range(1 if args.quick else warmup + args.rounds):
@@ -165,7 +165,10 @@ def main() -> None:
         lines += [f"| {key} | {med(BASELINE, key, 'tok_s'):.1f} | {statistics.median(ratios(key, BASELINE)):.2f}x | "
                   f"{' '.join(f'{r:.2f}' for r in ratios(key, BASELINE))} |" for key in keys]
     text = "\n".join(lines) + "\n"
-    Path(args.out).write_text(text)
+    out = Path(args.out)
+    if out.exists() and HISTORY in out.read_text():  # the runs before this one, kept below the table
+        text += "\n" + out.read_text()[out.read_text().index(HISTORY):]
+    out.write_text(text)
     print(text)
 
 
