@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("PDSERVE_DEBUG_INVARIANTS", "1")
+# The engines of a test session (and the servers they start) share one linear-tuning record, apart
+# from the developer's ~/.cache (worker/models/linear.py, tune_linears).
+os.environ.setdefault("PDSERVE_LINEAR_TUNING",
+                      os.path.join(tempfile.mkdtemp(prefix="pdserve-tests-"), "linear_tuning.json"))
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -152,7 +152,7 @@ def test_the_packed_threshold_is_the_cheapest_over_all_row_counts():
     assert _cheapest_first(noisy, [1.5] * n) == 3
 
 
-def test_tuning_disturbed_on_most_of_its_sweeps_still_finds_the_faster_weight():
+def test_tuning_disturbed_on_most_of_its_sweeps_still_finds_the_faster_weight(tmp_path):
     """A process sharing the core while an engine tunes delays most sweeps of a row count: the
     choice follows the undisturbed sweeps (packed here, 1.0 against F.linear's 1.5)."""
     from worker.models import linear as L
@@ -170,8 +170,39 @@ def test_tuning_disturbed_on_most_of_its_sweeps_still_finds_the_faster_weight():
             return 1.0 + (2.0 if packed_sweeps[0] % 4 else 0.0)  # 3 of every 4 sweeps disturbed
         return 1.5
 
-    L.tune_linears([lin], timer=timer)
+    L.tune_linears([lin], timer=timer, record=tmp_path / "tuning.json")
     assert lin.packed_from == L.TUNE_ROWS[0]
+
+
+def test_a_later_engine_runs_what_the_first_one_chose(tmp_path):
+    """The tuning record: a shape tuned once on a machine is not timed again (its sweeps could come
+    out the other way), and a record of another machine does not count."""
+    from worker.models import linear as L
+
+    record = tmp_path / "tuning.json"
+    calls, current = [0], [None]
+
+    def timer_for(packed: float, plain: float):
+        def timer() -> float:  # read before (0) and after (the call's cost) each timed call
+            calls[0] += 1
+            return 0.0 if calls[0] % 2 else packed if current[0].packed_from == 0 else plain
+        return timer
+
+    first, later = L.Linear(32, 32, bias=False), L.Linear(32, 32, bias=False)
+    for lin in (first, later):
+        lin.pack(keep_weight=True)
+    current[0] = first
+    L.tune_linears([first], timer=timer_for(packed=1.0, plain=2.0), record=record)
+    assert first.packed_from == L.TUNE_ROWS[0]
+    timed = calls[0]
+    current[0] = later
+    L.tune_linears([later], timer=timer_for(packed=2.0, plain=1.0), record=record)
+    assert calls[0] == timed and later.packed_from == L.TUNE_ROWS[0]  # not timed: the record's choice
+
+    other = json.loads(record.read_text())
+    record.write_text(json.dumps({"another machine": next(iter(other.values()))}))
+    L.tune_linears([later], timer=timer_for(packed=2.0, plain=1.0), record=record)
+    assert calls[0] > timed and later.packed_from > L.TUNE_ROWS[-1]  # timed here: never packed
 
 
 def test_pack_linears_frees_the_weight_it_never_runs(monkeypatch):

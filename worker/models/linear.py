@@ -11,7 +11,8 @@ Two things make small-batch decode cheap on a CPU, where every step is a handful
   Xeon with AMX, fp32 MKL took 9 us for one row of a 256x512 projection against oneDNN's 21, and
   oneDNN won only from ~16 rows (2 for a 4096-row lm_head). So weights are packed on CPU for fp32,
   and for bf16 where the CPU has native bf16 math (a bf16 MTP drafter), and `tune_linears` then
-  measures, per weight shape, from which row count the packed weight runs (below: `F.linear`).
+  measures, per weight shape, from which row count the packed weight runs (below: `F.linear`),
+  once per machine: the choice is kept for the engines that start later.
 - bf16 weights (`keep_bf16`), for the MTP drafter of a float32 target on a CPU: inputs of at most
   BF16_MAX_ROWS rows are multiplied by a bfloat16 copy of the weight in fp32 arithmetic
   (`worker/csrc/bf16_linear.cpp`). A few rows' step reads every weight from memory, and half the
@@ -20,10 +21,16 @@ Two things make small-batch decode cheap on a CPU, where every step is a handful
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
+import json
 import logging
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -123,26 +130,97 @@ def pack_linears(model: nn.Module, device: str, shared: set[int], skip: Sequence
 TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float] = time.perf_counter) -> None:
+def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float] = time.perf_counter,
+                 record: Path | None = None) -> None:
     """Set each packed Linear's `packed_from`, per weight shape: the threshold (one of TUNE_ROWS, or
     past the last: never) that makes the row counts of TUNE_ROWS cheapest in all (`_cheapest_first`).
     At most two linears of a shape are timed, which bounds the cost for a big model; ~50 ms on the
-    bundled model."""
+    bundled model.
+
+    The choice is kept in `record` (default: tuning_record(); None when PDSERVE_LINEAR_TUNING=off), a
+    JSON file per machine: an engine takes a shape's threshold from there when an engine before it
+    (or its sibling, starting at the same moment: a file lock orders them) chose one. Some shapes are
+    near-ties whose sweeps come out either way (gate_up at 16 rows: 0.85x F.linear in the sweeps,
+    1.025x in whole batch-16 steps), and engines that chose apart served at different speeds; with
+    the record every engine of the machine runs what the first one chose."""
     shapes: dict[tuple, list[Linear]] = {}
     for lin in linears:
         if lin.packed is not None and lin.weight.numel():  # (both weights at hand)
             shapes.setdefault(_shape(lin), []).append(lin)
-    seconds = _time_both_ways([lin for group in shapes.values() for lin in group[:2]], reps, timer)
+    record = tuning_record() if record is None else record
+    with _locked(record) as known:
+        section = known.setdefault(_machine(), {})
+        todo = [shape for shape in shapes if _key(shape) not in section]
+        seconds = _time_both_ways([lin for shape in todo for lin in shapes[shape][:2]], reps, timer) if todo else {}
+        for shape in todo:
+            section[_key(shape)] = _cheapest_first(seconds[shape, True], seconds[shape, False])
     chosen = []
     for shape, group in shapes.items():
-        first = _cheapest_first(seconds[shape, True], seconds[shape, False])
+        first = section[_key(shape)]
         packed_from = TUNE_ROWS[first] if first < len(TUNE_ROWS) else TUNE_ROWS[-1] + 1
         for lin in group:
             lin.packed_from = packed_from
         when = f"from {packed_from} rows" if first < len(TUNE_ROWS) else "never"
-        chosen.append(f"{shape[0]}x{shape[1]} {str(shape[2]).removeprefix('torch.')} {when}")
+        chosen.append(f"{_key(shape)} {when}")
     if chosen:
-        logger.info("linears: oneDNN's packed weight (else F.linear) %s", ", ".join(chosen))
+        logger.info("linears: oneDNN's packed weight (else F.linear) %s%s", ", ".join(chosen),
+                    f" (tuned; kept in {record})" if todo and record else f" (from {record})" if record else "")
+
+
+def tuning_record() -> Path | None:
+    """Where tune_linears keeps its choices: PDSERVE_LINEAR_TUNING (a path, or "off" for none),
+    by default ~/.cache/pdserve/linear_tuning.json."""
+    where = os.environ.get("PDSERVE_LINEAR_TUNING", str(Path.home() / ".cache" / "pdserve" / "linear_tuning.json"))
+    return None if where == "off" else Path(where)
+
+
+@contextlib.contextmanager
+def _locked(record: Path | None) -> Iterator[dict]:
+    """The record's contents, written back on exit, under an exclusive lock (an empty dict, kept
+    nowhere, without a record or where it cannot be written)."""
+    if record is None:
+        yield {}
+        return
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(record.with_suffix(".lock"), "w")  # noqa: SIM115 - held across the yield
+    except OSError as e:
+        logger.warning("linear tuning: cannot use %s (%s); tuning for this engine only", record, e)
+        yield {}
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            known = json.loads(record.read_text()) if record.exists() else {}
+        except (OSError, ValueError):
+            known = {}  # unreadable: tuned afresh and rewritten
+        yield known
+        try:
+            tmp = record.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+            tmp.replace(record)
+        except OSError as e:
+            logger.warning("linear tuning: cannot write %s (%s)", record, e)
+
+
+def _machine() -> str:
+    """What a choice depends on besides the shape: the CPU, torch (its MKL and oneDNN), the threads."""
+    model, flags = "unknown CPU", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model == "unknown CPU":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    digest = hashlib.sha1(flags.encode()).hexdigest()[:8]
+    return f"{model} (flags {digest}) | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+def _key(shape: tuple) -> str:
+    return f"{shape[0]}x{shape[1]} {str(shape[2]).removeprefix('torch.')}"
 
 
 def _time_both_ways(timed: list[Linear], reps: int, timer: Callable[[], float]) -> dict[tuple, list[float]]:
