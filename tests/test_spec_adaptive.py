@@ -83,6 +83,35 @@ def test_policy_compares_k_with_k0_measured_at_the_same_time():
     assert chosen[-300:].count(2) > 240, policy.summary()
 
 
+def test_a_batch_moving_within_its_bucket_does_not_make_k_look_cheap():
+    """Under load the batch moves within a bucket (12..15 rows) while k is measured: here the rows
+    are 12 while drafting and 15 otherwise. A verify step's cost grows with its rows faster than a
+    plain one's, so k=2 at 12 rows against k=0 at 15 looks 1.85x a plain step, where it costs
+    1.96x at 12 and 2.18x at 15 -- more than the 1.9 tokens it yields: k=0 wins at either size."""
+    policy = SpecPolicy(2)
+    cost_ms = {0: lambda rows: 4.0 + 0.1 * rows, 1: lambda rows: 5.0 + 0.35 * rows, 2: lambda rows: 3.0 + 0.6 * rows}
+    chosen, k_prev = [], 0
+    for _ in range(1500):
+        rows = 12 if k_prev else 15
+        k = 0 if policy.holds_k0(rows) else policy.choose(rows)
+        if k == k_prev:
+            policy.record_step(rows, k, cost_ms[k](rows) / 1e3)
+        if k:  # acceptance 0.6, then 0.5: 1.6 tokens at k=1, 1.9 at k=2
+            policy.record_acceptance([k] * 10, [min(k, a) for a in (2,) * 3 + (1,) * 3 + (0,) * 4])
+        chosen.append(k)
+        k_prev = k
+    assert policy.buckets[12, False].ratio(2) > 1.9, policy.summary()
+    assert chosen[-1000:].count(0) > 950, policy.summary()
+
+
+def test_paired_ratio_compares_steps_of_one_batch_size():
+    from worker.spec_policy import paired_ratio
+
+    k_steps, plain = [(10.2, 12), (12.0, 15), (12.1, 15)], [(5.2, 12), (5.5, 15), (5.4, 15)]
+    assert paired_ratio(k_steps, plain) == pytest.approx((10.2 / 5.2 + 12.05 / 5.45) / 2)
+    assert paired_ratio([(10.2, 12)], [(5.5, 15)]) == pytest.approx((10.2 / 12) / (5.5 / 15))  # per row
+
+
 def test_plain_steps_slowed_by_the_drafting_before_them_do_not_make_k_look_cheap():
     """On this CPU the plain steps right after drafting run up to ~15% slower for a few steps: the
     k=0 steps a measurement compares k with are the settled ones (just before it, or past the

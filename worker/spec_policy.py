@@ -52,6 +52,20 @@ def batch_bucket(batch_size: int) -> int:
     return p if batch_size < p + p // 2 else p + p // 2
 
 
+def paired_ratio(timed_k: list[tuple[float, int]], timed_0: list[tuple[float, int]]) -> float:
+    """C(k)/C(0) from (seconds, batch size) steps of k and of k=0 timed in one bucket: batch size by
+    batch size where both were timed at one, else per row. A bucket spans up to a third more rows
+    (12..15), and under load the batch moves within it during a measurement: a verify step's cost
+    grows with its rows where a plain one's hardly does (at T=1: k=2 10.1 ms at 12 rows, 12.8 at
+    15; k=0 5.0-5.6), so k=2 steps at 12 rows against k=0 steps at 15 had measured k=2 at 1.8x
+    where it costs 2.3x, and the policy drafted k=2 on a fifth of the steps of serving rounds."""
+    common = {n for _, n in timed_k} & {n for _, n in timed_0}
+    if common:
+        return statistics.median(statistics.median(t for t, n in timed_k if n == rows)
+                                 / statistics.median(t for t, n in timed_0 if n == rows) for rows in common)
+    return statistics.median(t / n for t, n in timed_k) / statistics.median(t / n for t, n in timed_0)
+
+
 @dataclass
 class Ewma:
     value: float
@@ -69,12 +83,12 @@ class RecentMedian:
     flip the decision the way it moves a mean."""
 
     size: int = 9
-    samples: deque = field(default_factory=deque)  # (stamp, seconds)
+    samples: deque = field(default_factory=deque)  # (stamp, seconds, batch size)
     count: int = 0
     _median: float | None = None  # cached: steps are timed every step, read only when deciding afresh
 
-    def update(self, stamp: int, x: float) -> None:
-        self.samples.append((stamp, x))
+    def update(self, stamp: int, x: float, batch_size: int = 0) -> None:
+        self.samples.append((stamp, x, batch_size))
         if len(self.samples) > self.size:
             self.samples.popleft()
         self.count += 1
@@ -83,7 +97,7 @@ class RecentMedian:
     @property
     def value(self) -> float:
         if self._median is None:
-            self._median = statistics.median(x for _, x in self.samples) if self.samples else 0.0
+            self._median = statistics.median(x for _, x, _ in self.samples) if self.samples else 0.0
         return self._median
 
 
@@ -121,8 +135,8 @@ class Exploration:
     k: int
     plan: list[int]
     before: int | None = None         # a re-measurement: the bucket's decision when it started
-    timed_k: list[float] = field(default_factory=list)
-    timed_0: list[float] = field(default_factory=list)
+    timed_k: list[tuple[float, int]] = field(default_factory=list)  # (seconds, batch size)
+    timed_0: list[tuple[float, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -209,10 +223,10 @@ class SpecPolicy:
         """A steady-state decode step: every row verified k drafts and proposed k for the next;
         `sampled`: some row samples (else all are greedy)."""
         costs = self._bucket(batch_size, sampled)
-        costs.steps[k].update(costs.decisions, seconds)
+        costs.steps[k].update(costs.decisions, seconds, batch_size)
         e = self._exploration
         if e is not None and e.bucket == (batch_bucket(batch_size), sampled) and k in (e.k, 0):
-            (e.timed_k if k == e.k else e.timed_0).append(seconds)
+            (e.timed_k if k == e.k else e.timed_0).append((seconds, batch_size))
 
     def record_overhead(self, seconds: float) -> None:
         """Engine time between two runner steps (scheduling, output processing)."""
@@ -371,7 +385,8 @@ class SpecPolicy:
         a re-measurement may confirm."""
         costs.explorations += 1
         settled = self._clock - self._drafted_at > self.settle_steps + self.hold_steps
-        recent = [x for stamp, x in costs.steps[0].samples if settled and stamp >= costs.decisions - self.hold_steps]
+        recent = [(x, rows) for stamp, x, rows in costs.steps[0].samples
+                  if settled and stamp >= costs.decisions - self.hold_steps]
         after = k and len(recent) < self.hold_steps
         plan = [k] * self.hold_steps + ([0] * (self.settle_steps + self.hold_steps + 1) if after else [])
         costs.last_measured[k] = costs.last_measured[0] = costs.decisions
@@ -388,7 +403,7 @@ class SpecPolicy:
         """Record a finished (or abandoned: the batch moved on) measurement's ratio C(k)/C(0)."""
         self._held = None
         if e.k and e.timed_k and e.timed_0:
-            ratio = statistics.median(e.timed_k) / statistics.median(e.timed_0[-self.hold_steps:])
+            ratio = paired_ratio(e.timed_k, e.timed_0[-self.hold_steps:])
             explored = self.buckets[e.bucket]
             explored.ratios[e.k].update(explored.decisions, ratio)
             if e.before is not None:
@@ -414,7 +429,7 @@ class SpecPolicy:
         since, window = costs.last_measured[k], costs.steps[k].size
         if not k or estimates[k] is None or costs.decisions - since <= 4 * window:
             return False
-        recent = [x for stamp, x in costs.steps[k].samples if stamp > since + 2 * self.hold_steps + 1]
+        recent = [x for stamp, x, _ in costs.steps[k].samples if stamp > since + 2 * self.hold_steps + 1]
         if len(recent) < window:
             return False
         return abs(statistics.median(recent) / estimates[k] - 1) > self.surprise
