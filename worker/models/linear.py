@@ -163,8 +163,8 @@ def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float
         when = f"from {packed_from} rows" if first < len(TUNE_ROWS) else "never"
         chosen.append(f"{_key(shape)} {when}")
     if chosen:
-        logger.info("linears: oneDNN's packed weight (else F.linear) %s%s", ", ".join(chosen),
-                    f" (tuned; kept in {record})" if todo and record else f" (from {record})" if record else "")
+        logger.info("linears (%s): oneDNN's packed weight (else F.linear) %s",
+                    "tuned here" if todo else f"as recorded in {record}", ", ".join(chosen))
 
 
 def tuning_record() -> Path | None:
