@@ -166,8 +166,9 @@ def main() -> None:
                   f"{' '.join(f'{r:.2f}' for r in ratios(key, BASELINE))} |" for key in keys]
     text = "\n".join(lines) + "\n"
     out = Path(args.out)
-    if out.exists() and HISTORY in out.read_text():  # the runs before this one, kept below the table
-        text += "\n" + out.read_text()[out.read_text().index(HISTORY):]
+    before = out.read_text() if out.exists() else ""
+    if HISTORY in before:  # the runs before this one, kept below the table
+        text += "\n" + before[before.index(HISTORY):]
     out.write_text(text)
     print(text)
 
