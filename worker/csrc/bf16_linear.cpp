@@ -50,7 +50,20 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
-// Rows [r0, r0 + R) of x against features [n0, n1) of w, the K % 8 tail included.
+// Finish features n and n + 1 of input row `row`: add the K tail from k0 (past the SIMD loop's
+// multiple of its width) to the vector sums s0, s1, then the bias, and store.
+inline void finish_pair(const float* x, int64_t K, const uint16_t* w0, const uint16_t* w1, const float* bias,
+                        float* y, int64_t N, int64_t row, int64_t n, int64_t k0, float s0, float s1) {
+  const float* xr = x + row * K;
+  for (int64_t k = k0; k < K; ++k) {
+    s0 += xr[k] * bf16_to_float(w0[k]);
+    s1 += xr[k] * bf16_to_float(w1[k]);
+  }
+  y[row * N + n] = s0 + (bias ? bias[n] : 0.f);
+  y[row * N + n + 1] = s1 + (bias ? bias[n + 1] : 0.f);
+}
+
+// Rows [r0, r0 + R) of x against features [n0, n1) of w, the tail of K past the SIMD width included.
 template <int R>
 void rows_times_block(const float* x, int64_t K, const uint16_t* w, const float* bias, float* y, int64_t N,
                       int64_t r0, int64_t n0, int64_t n1) {
@@ -75,16 +88,9 @@ void rows_times_block(const float* x, int64_t K, const uint16_t* w, const float*
         acc[r][1] = _mm512_fmadd_ps(xv, b, acc[r][1]);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      float s0 = _mm512_reduce_add_ps(acc[r][0]), s1 = _mm512_reduce_add_ps(acc[r][1]);
-      const float* xr = x + (r0 + r) * K;
-      for (int64_t k = k16; k < K; ++k) {
-        s0 += xr[k] * bf16_to_float(w0[k]);
-        s1 += xr[k] * bf16_to_float(w1[k]);
-      }
-      y[(r0 + r) * N + n] = s0 + (bias ? bias[n] : 0.f);
-      y[(r0 + r) * N + n + 1] = s1 + (bias ? bias[n + 1] : 0.f);
-    }
+    for (int r = 0; r < R; ++r)
+      finish_pair(x, K, w0, w1, bias, y, N, r0 + r, n, k16, _mm512_reduce_add_ps(acc[r][0]),
+                  _mm512_reduce_add_ps(acc[r][1]));
   }
 #elif defined(PDSERVE_AVX2)
   const int64_t k8 = K - K % 8;
@@ -112,13 +118,7 @@ void rows_times_block(const float* x, int64_t K, const uint16_t* w, const float*
       const __m128 t = _mm_hadd_ps(s, s);  // a b a b
       float sums[4];
       _mm_storeu_ps(sums, t);
-      const float* xr = x + (r0 + r) * K;
-      for (int64_t k = k8; k < K; ++k) {
-        sums[0] += xr[k] * bf16_to_float(w0[k]);
-        sums[1] += xr[k] * bf16_to_float(w1[k]);
-      }
-      y[(r0 + r) * N + n] = sums[0] + (bias ? bias[n] : 0.f);
-      y[(r0 + r) * N + n + 1] = sums[1] + (bias ? bias[n + 1] : 0.f);
+      finish_pair(x, K, w0, w1, bias, y, N, r0 + r, n, k8, sums[0], sums[1]);
     }
   }
 #endif
