@@ -99,10 +99,11 @@ def test_fused_mtp_layer_matches_the_torch_layer(arch, query_lens, mtp_checkpoin
     """The MTP layer as one C++ op (mtp_layer) against the same layer op by op: the same hidden
     states and the same K/V written into the cache. The last row starts at position 0 (its token
     embedding zeroed); (3, 2) runs the bf16 weights, (5, 4, 6) -- more than BF16_MAX_ROWS tokens --
-    the fp32 ones. Qwen3 has q/k norms, Llama llama3 RoPE scaling, Qwen2 q/k/v biases."""
+    the fp32 ones. Qwen3 has q/k norms, Llama llama3 RoPE scaling, Qwen2 q/k/v biases. Writing
+    only the K/V (mtp_write_kv) writes the same ones."""
     import numpy as np
 
-    from worker.attention import AttentionContext
+    from worker.attention import AttentionContext, CacheWriter
     from worker.input_batch import StepLayout
 
     llm = LLM(str(mtp_checkpoints[arch]), max_model_len=128, max_num_seqs=3, block_size=4,
@@ -131,6 +132,13 @@ def test_fused_mtp_layer_matches_the_torch_layer(arch, query_lens, mtp_checkpoin
     torch.testing.assert_close(fused_out, torch_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(fused_kv, torch_kv, rtol=1e-5, atol=1e-5)
     assert not torch.equal(fused_kv, before[-1])  # the step's K/V were written
+    # The layer's K/V alone (positions no draft starts from): what the whole layer writes.
+    runner.kv_cache.copy_(before)
+    with torch.inference_mode():
+        writer = CacheWriter(runner.kv_views, layout, 4, runner.device)
+        model.mtp_write_kv(0, hidden, ids, writer.positions, writer, has_position0=True)
+    assert torch.equal(runner.kv_cache[-1], torch_kv)
+    assert torch.equal(runner.kv_cache[:-1], before[:-1])
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -484,7 +484,6 @@ def test_the_mtp_pass_reads_the_target_hidden_state_of_every_position(mtp_checkp
     """The stash (copies of steady k=0 steps deferred, dropped once out of the window) hands the MTP
     pass exactly the target's hidden state of every position it covers: bitwise, whether the
     position was stashed directly, deferred, compacted or flushed."""
-    from worker.models.llama import CausalLM
 
     core = EngineCore(EngineConfig(model=str(mtp_checkpoints["llama"]), max_model_len=160, block_size=4,
                                    max_num_seqs=4, speculative_method="mtp", num_speculative_tokens=2,
@@ -506,7 +505,7 @@ def test_the_mtp_pass_reads_the_target_hidden_state_of_every_position(mtp_checkp
 
     runner.forward = recording_forward
     in_pass, checked = [False], [0]
-    mtp_pass, mtp_forward = MTPDrafter._mtp_pass, CausalLM.mtp_forward
+    mtp_pass = MTPDrafter._mtp_pass
 
     def pass_flag(self, *args):
         in_pass[0] = True
@@ -515,17 +514,16 @@ def test_the_mtp_pass_reads_the_target_hidden_state_of_every_position(mtp_checkp
         finally:
             in_pass[0] = False
 
-    def checking(self, layer, hidden, input_ids, pos, attn, has_position0=True):
+    def check(hidden, pos, attn):
         if in_pass[0]:
             lay = attn.layout
             rows = np.repeat(np.arange(len(lay.query_lens)), lay.query_lens)
             for i, (row, p) in enumerate(zip(rows.tolist(), pos.tolist())):
                 assert torch.equal(hidden[i], target[(int(lay.block_tables[row, 0]), p)]), (row, p)
                 checked[0] += 1
-        return mtp_forward(self, layer, hidden, input_ids, pos, attn, has_position0)
 
     monkeypatch.setattr(MTPDrafter, "_mtp_pass", pass_flag)
-    monkeypatch.setattr(CausalLM, "mtp_forward", checking)
+    on_mtp_layer(monkeypatch, lambda hidden, input_ids, pos, attn: check(hidden, pos, attn))
     for i, p in enumerate(random_prompts(4, 5, 40, VOCAB, 84)):
         core.add_request(p, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), req_id=f"r{i}")
     max_pending = 0
@@ -535,24 +533,32 @@ def test_the_mtp_pass_reads_the_target_hidden_state_of_every_position(mtp_checkp
     assert max_pending == min(stash_positions, 10) and checked[0] > 100
 
 
+def on_mtp_layer(monkeypatch, hook) -> None:
+    """Call hook(hidden, input_ids, positions, attention context) on every run of the MTP layer,
+    whole (CausalLM.mtp_forward) or only its K/V (CausalLM.mtp_write_kv)."""
+    from worker.models.llama import CausalLM
+
+    def hooked(original):
+        def run(self, layer, hidden, input_ids, pos, attn, has_position0=True):
+            hook(hidden, input_ids, pos, attn)
+            return original(self, layer, hidden, input_ids, pos, attn, has_position0)
+        return run
+
+    for name in ("mtp_forward", "mtp_write_kv"):
+        monkeypatch.setattr(CausalLM, name, hooked(getattr(CausalLM, name)))
+
+
 def test_a_prompt_pass_covers_the_mtp_window_only(mtp_checkpoints, references, monkeypatch):
     """With mtp_window=8 the MTP layer runs over the positions a query at the prompt's last one
     attends (plus one: counted before the handoff token is known) and the last position of every
     earlier chunk (each row of a pass keeps one: a tapped prompt reports its MTP layer from the pass);
     the output is still transformers'."""
-    from worker.models.llama import CausalLM
 
     prompt = random_prompts(1, 100, 100, VOCAB, 83)[0]
     llm = LLM(str(mtp_checkpoints["qwen2"]), max_model_len=200, block_size=4, max_num_batched_tokens=32,
               speculative_method="mtp", num_speculative_tokens=2, spec_policy="fixed", mtp_window=8)
     positions: list[list[int]] = []
-    original = CausalLM.mtp_forward
-
-    def recording(self, layer, hidden, input_ids, pos, attn, has_position0=True):
-        positions.append(pos.tolist())
-        return original(self, layer, hidden, input_ids, pos, attn, has_position0)
-
-    monkeypatch.setattr(CausalLM, "mtp_forward", recording)
+    on_mtp_layer(monkeypatch, lambda hidden, input_ids, pos, attn: positions.append(pos.tolist()))
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
     prefill = [p for p in positions if p and p[-1] < len(prompt)]
     # Chunks of 32, 32, 32 and 4 tokens: 31, 63, then 91..95 and 96..99.

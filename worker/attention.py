@@ -66,8 +66,8 @@ class PrefillRow:
     # chunks of at least SPLIT_MIN_QUERY tokens).
 
 
-class AttentionContext:
-    """Everything attention needs for one step, computed once and shared by all layers.
+class CacheWriter:
+    """Where a step's tokens go in the paged cache: `write` puts a layer's K/V there, attending nothing.
 
     `tap` (worker/kv_tap.py), when the runner sets one, is called with the layer index right after
     each layer's K/V write: a prefill engine pushes the layer to the decode instance from there."""
@@ -75,15 +75,32 @@ class AttentionContext:
     tap: Callable[[int], None] | None = None
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: StepLayout, block_size: int,
-                 device: torch.device, sliding_window: int | None = None, backend: str | None = None) -> None:
-        self.kv_caches, self.layout, self.block_size, self.window = kv_caches, layout, block_size, sliding_window
-        self.backend = backend or default_backend(device)
+                 device: torch.device) -> None:
+        self.kv_caches, self.layout, self.block_size = kv_caches, layout, block_size
         positions = layout.positions()
-        bt = layout.block_tables
         row = np.repeat(np.arange(len(layout.query_lens)), layout.query_lens)
-        slot_mapping = bt[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        slot_mapping = layout.block_tables[row, positions // block_size].astype(np.int64) * block_size
         self.positions = torch.from_numpy(positions).to(device)
-        self.slot_mapping = torch.from_numpy(slot_mapping).to(device)
+        self.slot_mapping = torch.from_numpy(slot_mapping + positions % block_size).to(device)
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this step's K/V [T, Hkv, D] of layer `layer_idx` into the cache (then the tap hears of it)."""
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+        if self.tap is not None:
+            self.tap(layer_idx)
+
+
+class AttentionContext(CacheWriter):
+    """Everything attention needs for one step, computed once and shared by all layers."""
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: StepLayout, block_size: int,
+                 device: torch.device, sliding_window: int | None = None, backend: str | None = None) -> None:
+        super().__init__(kv_caches, layout, block_size, device)
+        self.window = sliding_window
+        self.backend = backend or default_backend(device)
+        bt = layout.block_tables
         if self.backend == "torch":
             self.reference = ReferenceLayout(layout, block_size, device, sliding_window, kv_caches[0][0].dtype)
             return
@@ -129,10 +146,7 @@ class AttentionContext:
         k_cache, v_cache = self.kv_caches[layer_idx]
         if q.dtype != k_cache.dtype:  # a lower-precision MTP drafter: attend in the cache's dtype
             return self.attend(layer_idx, q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)).to(q.dtype)
-        k_cache.index_copy_(0, self.slot_mapping, k)
-        v_cache.index_copy_(0, self.slot_mapping, v)
-        if self.tap is not None:
-            self.tap(layer_idx)
+        self.write(layer_idx, k, v)
         if self.backend == "torch":
             return reference_attention(self.reference, q, k_cache, v_cache)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

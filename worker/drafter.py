@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from worker import fused_ops, invariants, kernels
-from worker.attention import AttentionContext, default_backend
+from worker.attention import AttentionContext, CacheWriter, default_backend
 from worker.input_batch import InputBatch, StepLayout
 from worker.kv_tap import StepTap
 from worker.models.llama import CausalLM
@@ -114,16 +114,13 @@ class MTPDrafter:
         if not in_pass.any():
             return drafts
         pass_rows = np.nonzero(in_pass)[0]
-        mtp_hidden, layout = self._mtp_pass(batch, hidden, n_valid, pass_rows, accepted)
+        h = self._mtp_pass(batch, hidden, n_valid, pass_rows, accepted, drafting[pass_rows])
         if self.kv_tap is not None:
             self.kv_tap.last_layer_done()
         rows = np.nonzero(drafting)[0]
         if not len(rows):
             return drafts
-        ends = layout.query_start_loc[1:] - 1              # each pass row's last valid position
-        pick = np.searchsorted(pass_rows, rows)
-        last_pos = (layout.num_computed + layout.query_lens - 1)[pick]
-        h = mtp_hidden[torch.from_numpy(ends[pick]).to(self.device)]
+        last_pos = (batch.layout.num_computed + n_valid - 1)[rows]
         table = self._draft(batch, rows, h, last_pos, k, draft_meta)
         for row, d in zip(rows.tolist(), table):
             drafts[row] = d
@@ -283,12 +280,14 @@ class MTPDrafter:
             self._stash_bits = _bits(self.stash)
 
     def _mtp_pass(self, batch: InputBatch, hidden: torch.Tensor, n_valid: np.ndarray, rows: np.ndarray,
-                  accepted: list[list[int]]) -> tuple[torch.Tensor, StepLayout]:
-        """The MTP layer over each row's stashed positions followed by this step's valid ones.
+                  accepted: list[list[int]], drafts_from: np.ndarray) -> torch.Tensor | None:
+        """The MTP layer over each row's stashed positions followed by this step's valid ones;
+        returns its output at the last valid position of the rows where `drafts_from` (None if none).
 
         Position i pairs h_i with x_{i+1}, read from all_token_ids after write-back (the next
         prompt token, an accepted draft, or the token just sampled): always in bounds, since
-        every position run here is valid and so has a successor.
+        every position run here is valid and so has a successor. Only the positions drafts start
+        from run the whole layer; the others (a prompt's, a backfilled stash's) only write its K/V.
         """
         st, dev = self.states, self.device
         slots = batch.slots[rows]
@@ -310,9 +309,6 @@ class MTPDrafter:
             pieces.append(hidden[qsl[row] + max(0, cut - have) : qsl[row] + n_valid[row]])
         h_in = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         layout = StepLayout(batch.layout.block_tables[rows], start, lens)
-        ctx = AttentionContext(self.kv_views, layout, self.block_size, dev, self.sliding_window)
-        if self.kv_tap is not None:
-            ctx.tap = self.kv_tap.layer_tap([batch.req_ids[r] for r in rows.tolist()], layout)
         if not pending.any() and not skip.any() and not batch.is_prefilling[rows].any():
             # A steady decode step: the successor of each kept position is the token kept after it.
             next_ids = torch.tensor([t for r in rows.tolist() for t in accepted[r]], dtype=torch.int32, device=dev)
@@ -321,8 +317,33 @@ class MTPDrafter:
         else:
             next_ids = self._gather_next_ids(slots, layout, start)
         st.mtp_pending[slots] = 0
-        out = self.model.mtp_forward(0, h_in, next_ids, ctx.positions, ctx, has_position0=bool((start == 0).any()))
-        return out, layout
+        # The whole layer at each drafting row's last position; before it, the K/V of the rest.
+        kv_lens = lens - drafts_from
+        if kv_lens.any():
+            kv_rows = np.nonzero(kv_lens)[0]
+            kv_layout = StepLayout(layout.block_tables[kv_rows], start[kv_rows], kv_lens[kv_rows])
+            if drafts_from.any():  # the positions up to each drafting row's last
+                keep = torch.from_numpy(np.concatenate([np.arange(s, s + n) for s, n in zip(
+                    layout.query_start_loc[kv_rows].tolist(), kv_lens[kv_rows].tolist())])).to(dev)
+                kv_h, kv_ids = h_in[keep], next_ids[keep]
+            else:
+                kv_h, kv_ids = h_in, next_ids
+            writer = CacheWriter(self.kv_views, kv_layout, self.block_size, dev)
+            if self.kv_tap is not None:
+                writer.tap = self.kv_tap.layer_tap([batch.req_ids[r] for r in rows[kv_rows].tolist()], kv_layout)
+            self.model.mtp_write_kv(0, kv_h, kv_ids, writer.positions, writer,
+                                    has_position0=bool((kv_layout.num_computed == 0).any()))
+        if not drafts_from.any():
+            return None
+        out_rows = np.nonzero(drafts_from)[0]
+        last = layout.query_start_loc[1:][out_rows] - 1
+        ends = start[out_rows] + lens[out_rows] - 1
+        out_layout = StepLayout(layout.block_tables[out_rows], ends.astype(np.int32), np.ones(len(out_rows), np.int32))
+        ctx = AttentionContext(self.kv_views, out_layout, self.block_size, dev, self.sliding_window)
+        if len(out_rows) < len(rows) or kv_lens.any():
+            pick = torch.from_numpy(last).to(dev)
+            h_in, next_ids = h_in[pick], next_ids[pick]
+        return self.model.mtp_forward(0, h_in, next_ids, ctx.positions, ctx, has_position0=bool((ends == 0).any()))
 
     def _gather_next_ids(self, slots: np.ndarray, layout: StepLayout, start: np.ndarray) -> torch.Tensor:
         """x_{i+1} for every position i of the pass, from all_token_ids."""

@@ -22,6 +22,10 @@ class AttentionBackend(Protocol):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
+class KVWriter(Protocol):
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -115,6 +119,13 @@ class Attention(nn.Module):
             q, k = qk[:, :nh], qk[:, nh:]
         out = attn.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(t, nh * self.head_dim))
+
+    def write_kv(self, x: torch.Tensor, rope: Rope, cache: KVWriter) -> None:
+        """Only this layer's K/V of x's positions into the cache: no query, no attention."""
+        t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
+        heads = self.qkv_proj(x).view(t, nh + 2 * nkv, self.head_dim)
+        k = heads[:, nh : nh + nkv]
+        cache.write(self.layer_idx, rope.apply(self.k_norm(k) if self.qk_norm else k), heads[:, nh + nkv :])
 
 
 class MLP(nn.Module):

@@ -10,6 +10,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from worker import fused_ops
+from worker.attention import CacheWriter
 from worker.models.layers import AttentionBackend, DecoderLayer, RMSNorm, RotaryEmbedding
 from worker.models.linear import BF16_MAX_ROWS, Linear
 from worker.models.mtp import MTPLayer
@@ -143,3 +144,9 @@ class CausalLM(nn.Module):
         """MTP layer `layer` over (h_i, x_{i+1}) pairs; returns its normed hidden states."""
         m = self.model
         return m.mtp_layers[layer](hidden, input_ids, positions, m.embed_tokens, m.rotary_emb, attn, has_position0)
+
+    def mtp_write_kv(self, layer: int, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                     cache: CacheWriter, has_position0: bool = True) -> None:
+        """Only MTP layer `layer`'s K/V of these (h_i, x_{i+1}) pairs (MTPLayer.write_kv)."""
+        m = self.model
+        m.mtp_layers[layer].write_kv(hidden, input_ids, positions, m.embed_tokens, m.rotary_emb, cache, has_position0)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from worker.attention import AttentionContext
+from worker.attention import AttentionContext, CacheWriter
 from worker.models.layers import AttentionBackend, DecoderLayer, RMSNorm, RotaryEmbedding
 from worker.models.linear import BF16_MAX_ROWS, Linear
 
@@ -65,11 +65,23 @@ class MTPLayer(DecoderLayer):
                 if attn.tap is not None:
                     attn.tap(self.self_attn.layer_idx)
                 return out
+        x = self._pair(hidden, input_ids, positions, embed, has_position0)
+        x = super().forward(x, rope(positions, x.dtype), attn)
+        return self.final_layernorm(x)
+
+    def write_kv(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                 embed: nn.Embedding, rope: RotaryEmbedding, cache: CacheWriter, has_position0: bool) -> None:
+        """Only the layer's K/V of these positions: what later drafts attend. For positions no draft
+        starts from (a prompt's, a backfilled stash's) the query, attention and MLP are wasted work."""
+        x = self.input_layernorm(self._pair(hidden, input_ids, positions, embed, has_position0))
+        self.self_attn.write_kv(x, rope(positions, x.dtype), cache)
+
+    def _pair(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, embed: nn.Embedding,
+              has_position0: bool) -> torch.Tensor:
+        """The layer's input: h_i and the embedding of x_{i+1}, normed and projected together."""
         dtype = self.input_proj.weight.dtype  # the drafter may run in lower precision than the target
         tok, hidden = embed(input_ids).to(dtype), hidden.to(dtype)
         if has_position0:  # (the caller knows from its host-side layout; decode steps never do)
             # Position 0 has no previous hidden state worth pairing: its token embedding is zeroed.
             tok = torch.where((positions == 0).unsqueeze(-1), torch.zeros_like(tok), tok)
-        x = self.input_proj(torch.cat([self.hidden_layernorm(hidden), self.token_layernorm(tok)], dim=-1))
-        x = super().forward(x, rope(positions, x.dtype), attn)
-        return self.final_layernorm(x)
+        return self.input_proj(torch.cat([self.hidden_layernorm(hidden), self.token_layernorm(tok)], dim=-1))
