@@ -73,7 +73,8 @@ class EngineCore:
         self.runner.proposes_drafts = not connector.hands_off
         if connector.taps_layers:  # prefill: attention reports each layer's KV writes to the connector
             self.runner.kv_tap = KVTap(self.runner.kv_cache, self.config.block_size, connector.tap_target,
-                                       connector.on_layer, connector.snapshots, connector.on_layers_done)
+                                       connector.on_layer, connector.snapshots, connector.on_layers_done,
+                                       connector.on_hidden)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -145,7 +146,7 @@ class EngineCore:
         """KV transfers that finished since the last call: loaded requests may run from the next
         step, failed ones end (their updates). A no-op without a KV connector (colocated)."""
         loaded, failed = self.connector.poll()
-        updates = [self.scheduler.kv_loaded(item.req_id, item.t0, item.num_tokens) for item in loaded]
+        updates = [self.scheduler.kv_loaded(item.req_id, item.t0, item.num_tokens, item.hidden) for item in loaded]
         return [u for u in updates if u is not None] + [self.scheduler.kv_failed(item.req_id, item.reason,
                                                                                  item.retryable) for item in failed]
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.types import FinishReason, SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.StrEnum):
@@ -42,6 +46,9 @@ class Request:
     kv_source: str = ""
     # prefill and decode roles: the id the front end gave this attempt's KV transfer (a retry gets a new one).
     kv_transfer_id: str = ""
+    # decode role: the target's hidden states of the prompt's last positions that came with its KV
+    # (for the MTP drafter, which has no KV of its own for them), until the request enters a slot.
+    handoff_hidden: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)

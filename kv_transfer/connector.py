@@ -18,7 +18,8 @@ Calls, by who makes them:
     core       poll() -> (loaded, failed): transfers finished since the last call
                on_scheduled(req_ids): requests entering a slot this step (D: the hand-off is over)
     runner     (through the KV tap, prefill only) tap_target(req_id), on_layer(...): a layer's KV
-               of a prompt's positions is written
+               of a prompt's positions is written; on_hidden(...): the target's hidden states of
+               a prompt's last positions, which go to D in place of the MTP layers' KV
     scheduler  start_load(request): blocks reserved, fetch the KV (status WAITING_FOR_KV)
                request_finished(request) -> True when the connector now owns the request's blocks
 
@@ -92,6 +93,10 @@ class KVConnector:
     def on_layers_done(self, req_id: str) -> None:
         """The forward of the last KV layer over `req_id`'s last prompt chunk is over."""
 
+    def on_hidden(self, req_id: str, start: int, hidden: torch.Tensor) -> None:
+        """The target's hidden states of `req_id`'s prompt positions [start, start + len(hidden)):
+        handed to D with the KV, for its MTP drafter (chunks come in order)."""
+
     def sockets(self) -> list[zmq.Socket]:
         """Sockets the process loop should wake up for."""
         return []
@@ -117,6 +122,8 @@ class PrefillConnector(KVConnector):
         self.kv_endpoint = kv_endpoint
         self.layerwise_min_tokens = layerwise_min_tokens
         self.prefilling: dict[str, Request] = {}
+        # req_id -> (the position after them, its prompt's last positions' hidden states so far)
+        self.hidden: dict[str, tuple[int, list[torch.Tensor]]] = {}
 
     def on_new_request(self, request: Request, prefill_endpoint: str) -> None:
         request.remote_decode = True  # stop after t0: the decode instance generates the rest
@@ -142,9 +149,17 @@ class PrefillConnector(KVConnector):
     def on_layers_done(self, req_id: str) -> None:
         self.sender.note_done_time(req_id, self.prefilling[req_id].kv_transfer_id)
 
+    def on_hidden(self, req_id: str, start: int, hidden: torch.Tensor) -> None:
+        end, pieces = self.hidden.get(req_id, (start, []))
+        if start != end:  # not the next positions: the prompt is computed again (preempted)
+            pieces = []
+        pieces.append(hidden.to("cpu", copy=True))  # (a slice of the step's hidden states)
+        self.hidden[req_id] = (start + len(hidden), pieces)
+
     def request_finished(self, request: Request) -> bool:
         if self.prefilling.get(request.req_id) is request:
             del self.prefilling[request.req_id]
+        _, pieces = self.hidden.pop(request.req_id, (0, []))
         if request.finish_reason != FinishReason.HANDED_OFF:
             self.sender.end_stream(request.req_id, request.kv_transfer_id)
             return False  # finished here (t0 was a stop, an abort, an error): nothing to send
@@ -152,13 +167,16 @@ class PrefillConnector(KVConnector):
         # The KV of num_handoff_tokens positions and the token after them: t0, or for a resumed
         # request the last token the client was streamed.
         n = request.num_handoff_tokens
-        self.sender.hold(request.req_id, list(request.block_ids), n, request.all_token_ids[n], request.kv_transfer_id)
+        hidden = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)) if pieces else None
+        self.sender.hold(request.req_id, list(request.block_ids), n, request.all_token_ids[n], request.kv_transfer_id,
+                         hidden)
         return True
 
     def abort(self, req_id: str, transfer_id: str | None = None) -> None:
         request = self.prefilling.get(req_id)
         if request is not None and transfer_id in (None, request.kv_transfer_id):
             del self.prefilling[req_id]  # also when the scheduler refused it (it never finishes then)
+            self.hidden.pop(req_id, None)
             self.sender.end_stream(req_id, request.kv_transfer_id)
         self.sender.drop(req_id, "aborted", transfer_id)
 
@@ -246,17 +264,19 @@ def get_kv_connector(role: EngineRole, ctx: zmq.Context, kv_cache: torch.Tensor,
     `free_blocks` gives blocks back to the engine's block manager (prefill: after the transfer);
     `cluster_key` makes the KV sockets CURVE-only."""
     chash, desc_text = compat_hash(compat), json.dumps(compat, sort_keys=True)
+    model = compat.get("config") or {}
+    draft_layers = kv_cache.shape[0] - (model.get("num_hidden_layers") or kv_cache.shape[0])  # the MTP layers'
+    hidden_size = model.get("hidden_size") or 0
     if role == EngineRole.PREFILL:
         sender = KVSender(ctx, kv.addr or "tcp://127.0.0.1:0", kv_cache, chash, desc_text, name,
                           lambda _req_id, blocks: free_blocks(blocks), kv.lease_s, kv.key, kv.checksum,
                           lambda theirs: describe_difference(compat, theirs), cluster_key,
-                          layerwise=kv.mode == KVTransferMode.LAYERWISE)
+                          layerwise=kv.mode == KVTransferMode.LAYERWISE, draft_layers=draft_layers)
         return PrefillConnector(sender, kv.advertise or advertised(sender.address),
                                 kv.layerwise_min_tokens if kv.mode == KVTransferMode.LAYERWISE else None)
     if role == EngineRole.DECODE:
-        vocab = (compat.get("config") or {}).get("vocab_size")
-        receiver = KVReceiver(ctx, kv_cache, chash, desc_text, name, kv.deadline_s, kv.key, vocab,
-                              cluster_key=cluster_key)
+        receiver = KVReceiver(ctx, kv_cache, chash, desc_text, name, kv.deadline_s, kv.key, model.get("vocab_size"),
+                              cluster_key=cluster_key, draft_layers=draft_layers, hidden_size=hidden_size)
         return DecodeConnector(receiver, kv.reserve_deadline_s)
     return KVConnector()
 

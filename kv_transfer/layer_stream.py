@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
@@ -74,6 +74,7 @@ class LayerJob:
 class DoneJob:
     key: Key
     message: m.KVLayersDone
+    frames: list = field(default_factory=list)  # what follows the message (the hidden states, if handed over)
 
 
 class LayerStreamer:
@@ -200,7 +201,7 @@ class LayerStreamer:
 
     def _send(self, identity: bytes, job: LayerJob | DoneJob) -> None:
         if isinstance(job, DoneJob):
-            self._send_frames([identity, m.encode(job.message)])
+            self._send_frames([identity, m.encode(job.message), *job.frames])
             self._forget(job.key)  # nothing of it comes after the completion
             return
         if job.ready is not None:

@@ -5,11 +5,14 @@ A decode instance (D) connects a DEALER to a prefill instance's (P) ROUTER KV po
     D -> P  Hello(compat_hash, key)          P -> D  HelloAck | HelloReject(reason)
     D -> P  PullKV(req_id, transfer_id)      (D has reserved blocks; "send when ready")
     P -> D  [KVHeader, frames...]            per KV layer (MTP included), K then V, one frame per run
-                                             of consecutive blocks, straight from the cache's memory
+                                             of consecutive blocks, straight from the cache's memory;
+                                             with `hidden_positions` the MTP layers are left out and one
+                                             more frame follows: the target's hidden states of the
+                                             prompt's last positions (below)
   layer-wise mode (P's --kv-transfer-mode layerwise), instead of the KVHeader:
     P -> D  [KVLayer, frame]                 one layer's K and V of prompt positions [start, end), sent
                                              as soon as P's forward wrote them (any order, repeats allowed)
-    P -> D  KVLayersDone(t0, num_tokens...)  after the last layer: D admits once every layer covers
+    P -> D  [KVLayersDone, (hidden frame)]   after the last layer: D admits once every layer covers
                                              [0, num_tokens) (a full KVHeader is also accepted instead)
     P -> D  KVError(req_id, transfer_id, reason)  (P cannot serve it: aborted, lease expired, replaced)
     D -> P  KVAck(req_id, transfer_id)       (P frees its blocks)
@@ -22,6 +25,11 @@ Every transfer has an identity: the request id, the transfer id the front end ch
 attempt (a retry of the same request gets a new one), and the P instance (the connection it came
 on and the `sender` name in the header). Either side acts only on messages for the transfer it
 expects; anything else is dropped, counted and, where the peer holds memory for it, answered.
+
+With a windowed MTP drafter (mtp_window) P does not run the MTP layer over the prompt: it sends
+the target's hidden states of the prompt's last `hidden_positions` positions ([n, hidden_size] of
+`hidden_dtype`) instead of the MTP layers' KV, and D's drafter runs the layer over them the first
+time it drafts for the request (under load it may never do).
 
 Tensor payloads are raw frames sent without copying; nothing is pickled.
 """
@@ -62,6 +70,8 @@ class KVHeader(msgspec.Struct, tag=True):
     sender: str = ""           # P's instance name
     checksum: int | None = None  # xxh3_64 of every frame's bytes in order; None: not computed
     prefill_done_time: float = 0.0  # wall clock when P finished the forward of the last KV layer (0: unknown)
+    hidden_positions: int = 0  # > 0: no MTP layers' KV; the hidden states of the last n positions follow
+    hidden_dtype: str = ""
 
 
 class KVLayer(msgspec.Struct, tag=True):
@@ -86,6 +96,9 @@ class KVLayersDone(msgspec.Struct, tag=True):
     num_layers: int            # every one of them must cover [0, num_tokens) before D admits
     t0: int
     prefill_done_time: float = 0.0
+    hidden_positions: int = 0  # as in KVHeader (the MTP layers are then not among num_layers)
+    hidden_dtype: str = ""
+    hidden_checksum: int | None = None  # xxh3_64 of the hidden frame; None: not computed
 
 
 class KVError(msgspec.Struct, tag=True):

@@ -10,7 +10,9 @@ for the expected transfer is validated against the reservation — token and blo
 frame count and sizes, checksum — before a byte is written into KV memory.
 A layer-wise transfer (KVLayer messages, then KVLayersDone) is validated the same way, message by
 message, and lands as it comes: the pull completes once the done message is in and every layer
-(target and MTP) covers the prompt's positions, whatever order the layers came in.
+(target and MTP) covers the prompt's positions, whatever order the layers came in. Where P hands
+over the target's hidden states of the prompt's last positions instead of the MTP layers' KV
+(messages.py), the pull lands without those layers and the hidden states go on to the drafter.
 A refused handshake is tried again with a backoff, so a P restarted with the right key or model
 is used again without restarting D.
 """
@@ -31,6 +33,7 @@ from kv_transfer.stats import TransferStats
 
 logger = logging.getLogger(__name__)
 
+HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KEEPALIVE_S = 1.0
 REJECT_BACKOFF_S = 1.0       # first wait before saying Hello again to a peer that refused us
 REJECT_BACKOFF_MAX_S = 30.0  # doubled on each refusal up to this
@@ -48,6 +51,7 @@ class Pull:
     num_tokens: int | None = None   # the reserved request's prompt length, when known
     covered: dict[int, list[list[int]]] = field(default_factory=dict)  # layer-wise: layer -> merged [start, end)s
     layers_done: m.KVLayersDone | None = None
+    hidden: torch.Tensor | None = None  # layer-wise: the hidden states that came with the done message
 
 
 @dataclass
@@ -56,6 +60,7 @@ class Completed:
     t0: int
     num_tokens: int
     prefill_done_time: float = 0.0  # wall clock when P finished the last KV layer's forward (0: unknown)
+    hidden: torch.Tensor | None = None  # the target's hidden states of the last positions, for the MTP drafter
 
 
 @dataclass
@@ -81,8 +86,12 @@ class Peer:
 class KVReceiver:
     def __init__(self, ctx: zmq.Context, kv_cache: torch.Tensor, compat_hash: str, description: str, name: str,
                  deadline_s: float = 60.0, key: str = "", vocab_size: int | None = None,
-                 verify_checksums: bool = True, cluster_key: ClusterKey | None = None) -> None:
+                 verify_checksums: bool = True, cluster_key: ClusterKey | None = None, draft_layers: int = 0,
+                 hidden_size: int = 0) -> None:
+        """`draft_layers`: the cache's last layers that are the MTP drafter's; `hidden_size`: the
+        model's (both for transfers that hand over hidden states instead of those layers' KV)."""
         self.ctx = ctx
+        self.draft_layers, self.hidden_size = draft_layers, hidden_size
         self.cluster_key = cluster_key  # CURVE: prove we hold the cluster key, check that P does
         self.kv_cache = kv_cache
         self.compat_hash, self.description, self.name = compat_hash, description, name
@@ -206,8 +215,8 @@ class KVReceiver:
             self._on_header(peer, msg, frames[1:], done, failed)
         elif isinstance(msg, m.KVLayer):
             self._on_layer(peer, msg, frames[1:], done, failed)
-        elif isinstance(msg, m.KVLayersDone) and len(frames) == 1:
-            self._on_layers_done(peer, msg, done, failed)
+        elif isinstance(msg, m.KVLayersDone):
+            self._on_layers_done(peer, msg, frames[1:], done, failed)
         elif isinstance(msg, m.KVError):
             self._on_error(peer, msg, failed)
         elif len(frames) != 1:  # control messages are one frame
@@ -245,12 +254,17 @@ class KVReceiver:
             self._send(peer, m.Release(header.req_id, "decode does not expect this transfer", header.transfer_id))
             return
         self._end(pull)
-        error = self._validate(pull, header, frames) or self._write(pull, header, frames)
+        error = self._validate(pull, header, frames)
         if error:
             self._invalid(peer, pull, error, failed)
             return
-        self._landed(peer, pull, Completed(header.req_id, header.t0, header.num_tokens, header.prefill_done_time),
-                     done)
+        hidden = None
+        if header.hidden_positions:
+            hidden = self._hidden(frames[-1], header.hidden_positions, header.hidden_dtype)
+            frames = frames[:-1]
+        self._write(pull, header, frames)
+        self._landed(peer, pull, Completed(header.req_id, header.t0, header.num_tokens, header.prefill_done_time,
+                                           hidden), done)
 
     def _invalid(self, peer: Peer, pull: Pull, error: str, failed: list[Failed]) -> None:
         """The expected transfer sent something that does not fit: it fails (a fresh prefill may work)."""
@@ -287,7 +301,8 @@ class KVReceiver:
         self.stats.layers_received += 1
         self._maybe_complete(peer, pull, done)
 
-    def _on_layers_done(self, peer: Peer, msg: m.KVLayersDone, done: list[Completed], failed: list[Failed]) -> None:
+    def _on_layers_done(self, peer: Peer, msg: m.KVLayersDone, frames: list, done: list[Completed],
+                        failed: list[Failed]) -> None:
         pull = self._expected(peer, msg.req_id, msg.transfer_id, msg.sender)
         if pull is None:  # as for a stray header: P holds blocks for it, which it may free now
             self.stats.dropped_unexpected += 1
@@ -295,13 +310,24 @@ class KVReceiver:
             return
         what = f"malformed layer-wise KV transfer for {pull.req_id} from {pull.endpoint}"
         error = self._token_count_error(pull, msg.num_tokens, what)
-        if msg.num_layers != self.kv_cache.shape[0]:
-            error = f"{what}: {msg.num_layers} layers, this cache has {self.kv_cache.shape[0]}"
+        layers = self._num_layers(msg.hidden_positions)
+        if msg.num_layers != layers:
+            error = f"{what}: {msg.num_layers} layers, expected {layers}"
         elif self.vocab_size is not None and not 0 <= msg.t0 < self.vocab_size:
             error = f"{what}: t0={msg.t0} is outside the vocabulary [0, {self.vocab_size})"
+        elif len(frames) != (1 if msg.hidden_positions else 0):
+            error = f"{what}: {len(frames)} frames after the done message"
+        elif msg.hidden_positions:
+            error = self._hidden_error(msg.hidden_positions, msg.num_tokens, msg.hidden_dtype, frames[0], what)
+            if (not error and msg.hidden_checksum is not None and self.verify_checksums
+                    and frames_checksum([frames[0].buffer]) != msg.hidden_checksum):
+                self.stats.checksum_mismatches += 1
+                error = f"corrupted hidden states for {pull.req_id} from {pull.endpoint}: checksum mismatch"
         if error:
             self._invalid(peer, pull, error, failed)
             return
+        if msg.hidden_positions:
+            pull.hidden = self._hidden(frames[0], msg.hidden_positions, msg.hidden_dtype)
         pull.num_tokens, pull.layers_done = msg.num_tokens, msg
         self._maybe_complete(peer, pull, done)
 
@@ -311,8 +337,27 @@ class KVReceiver:
         if fin is None:
             return
         whole = [[0, fin.num_tokens]]
-        if all(pull.covered.get(layer) == whole for layer in range(self.kv_cache.shape[0])):
-            self._landed(peer, pull, Completed(pull.req_id, fin.t0, fin.num_tokens, fin.prefill_done_time), done)
+        if all(pull.covered.get(layer) == whole for layer in range(fin.num_layers)):
+            self._landed(peer, pull, Completed(pull.req_id, fin.t0, fin.num_tokens, fin.prefill_done_time,
+                                               pull.hidden), done)
+
+    def _num_layers(self, hidden_positions: int) -> int:
+        """The KV layers a transfer carries: all, or the target's where hidden states stand in for the MTP's."""
+        return self.kv_cache.shape[0] - (self.draft_layers if hidden_positions else 0)
+
+    def _hidden_error(self, n: int, num_tokens: int, dtype: str, frame, what: str) -> str | None:
+        """Why a hidden-states frame does not fit, or None."""
+        if not self.draft_layers or not 0 < n <= num_tokens:
+            return f"{what}: hidden states of {n} positions of {num_tokens} (MTP layers here: {self.draft_layers})"
+        if dtype not in HIDDEN_DTYPES:
+            return f"{what}: hidden states of dtype {dtype!r}"
+        if len(frame.buffer) != n * self.hidden_size * HIDDEN_DTYPES[dtype].itemsize:
+            return f"{what}: the hidden states of {n} positions are {len(frame.buffer)} bytes"
+        return None
+
+    def _hidden(self, frame, n: int, dtype: str) -> torch.Tensor:
+        # (a copy: the frame's memory belongs to ZMQ)
+        return torch.frombuffer(frame.buffer, dtype=torch.uint8).view(HIDDEN_DTYPES[dtype]).view(n, -1).clone()
 
     def _token_count_error(self, pull: Pull, num_tokens: int, what: str) -> str | None:
         block_size = self.kv_cache.shape[3]
@@ -363,8 +408,8 @@ class KVReceiver:
 
     def _validate(self, pull: Pull, header: m.KVHeader, frames: list) -> str | None:
         """Why the header and frames do not fit the reservation, or None. Runs before any write."""
-        cache = self.kv_cache
-        num_layers, block_shape = cache.shape[0], list(cache.shape[3:])
+        cache, everything = self.kv_cache, frames
+        block_shape = list(cache.shape[3:])
         runs, n = header.run_lengths, header.num_blocks
         what = f"malformed KV transfer for {pull.req_id} from {pull.endpoint}"
         if header.block_shape != block_shape or header.dtype != self.dtype_name:
@@ -378,20 +423,27 @@ class KVReceiver:
             return f"{what}: t0={header.t0} is outside the vocabulary [0, {self.vocab_size})"
         if min(runs, default=0) < 1 or sum(runs) != n:
             return f"{what}: runs {runs[:8]} do not cover its {n} blocks"
-        if len(frames) != num_layers * 2 * len(runs):
+        num_layers, hidden = self._num_layers(header.hidden_positions), bool(header.hidden_positions)
+        if len(frames) != num_layers * 2 * len(runs) + hidden:
             return (f"{what}: {len(frames)} frames, expected {num_layers} layers x K/V x {len(runs)} runs of "
-                    f"{block_shape} {self.dtype_name}")
+                    f"{block_shape} {self.dtype_name}" + (" and the hidden states" if hidden else ""))
+        if hidden:
+            error = self._hidden_error(header.hidden_positions, header.num_tokens, header.hidden_dtype, frames[-1],
+                                       what)
+            if error:
+                return error
+            frames = frames[:-1]
         block_bytes = cache.element_size() * cache[0, 0, 0].numel()
         if any(len(frames[i].buffer) != block_bytes * runs[i % len(runs)] for i in range(len(frames))):
             return f"truncated KV transfer for {pull.req_id}"
         if (header.checksum is not None and self.verify_checksums
-                and frames_checksum([f.buffer for f in frames]) != header.checksum):
+                and frames_checksum([f.buffer for f in everything]) != header.checksum):
             self.stats.checksum_mismatches += 1
             return f"corrupted KV transfer for {pull.req_id} from {pull.endpoint}: checksum mismatch"
         return None
 
     def _write(self, pull: Pull, header: m.KVHeader, frames: list) -> None:
-        """Copy validated frames into the reserved blocks."""
+        """Copy validated KV frames into the reserved blocks."""
         cache = self.kv_cache
         runs, block_shape = header.run_lengths, list(cache.shape[3:])
         dst = torch.tensor(pull.block_ids[: header.num_blocks], dtype=torch.long, device=cache.device)
@@ -399,14 +451,13 @@ class KVReceiver:
         for n in runs:
             offsets.append(offsets[-1] + n)
         i = 0
-        for layer in range(cache.shape[0]):
+        for layer in range(self._num_layers(header.hidden_positions)):
             for kv in (0, 1):
                 for r, n in enumerate(runs):
                     data = torch.frombuffer(frames[i].buffer, dtype=torch.uint8).view(cache.dtype).view(n, *block_shape)
                     cache[layer, kv].index_copy_(0, dst[offsets[r] : offsets[r + 1]], data.to(cache.device))
                     i += 1
         self.stats.bytes_received += sum(len(f.buffer) for f in frames)
-        return None
 
     def _housekeeping(self, failed: list[Failed]) -> None:
         now = time.monotonic()

@@ -53,6 +53,7 @@ class HeldKV:
     requester: bytes | None = None   # D's identity once it asked
     sent: bool = False
     streamed: bool = False           # layer-wise: the layers went (or go) out on the stream
+    hidden: torch.Tensor | None = None  # the prompt's last positions' hidden states, sent instead of the MTP KV
 
 
 @dataclass
@@ -72,6 +73,11 @@ def consecutive_runs(block_ids: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def tensor_frame(t: torch.Tensor) -> memoryview:
+    """A host tensor's bytes as one frame (no copy)."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
 def frames_checksum(frames: list) -> int:
     """xxh3_64 over the frames' bytes in order: the same on both sides whatever the framing."""
     h = xxhash.xxh3_64()
@@ -84,10 +90,11 @@ class KVSender:
     def __init__(self, ctx: zmq.Context, bind_addr: str, kv_cache: torch.Tensor, compat_hash: str,
                  description: str, name: str, release_blocks: Callable[[str, list[int]], None], lease_s: float = 30.0,
                  key: str = "", checksum: bool = False, compare: Callable[[str], str] | None = None,
-                 cluster_key: ClusterKey | None = None, layerwise: bool = False) -> None:
+                 cluster_key: ClusterKey | None = None, layerwise: bool = False, draft_layers: int = 0) -> None:
         """`compare(peer_description)` names what differs from a refused peer's layout (handshake.py);
         with `cluster_key` the port is CURVE-only: decode instances must hold the cluster key;
-        `layerwise`: a thread owns the port and streams layers (`publish_layer`)."""
+        `layerwise`: a thread owns the port and streams layers (`publish_layer`); `draft_layers`: the
+        cache's last layers that are the MTP drafter's (left out of a transfer that hands over hidden states)."""
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -106,6 +113,7 @@ class KVSender:
         self.first_puller: dict[Key, bytes] = {}  # layer-wise: the connection the stream goes to
         self.done_times: dict[Key, float] = {}    # wall clock when the prompt's last KV layer was written
         self.kv_cache = kv_cache
+        self.draft_layers = draft_layers
         self.compat_hash, self.description, self.name = compat_hash, description, name
         self.release_blocks = release_blocks
         self.lease_s = lease_s
@@ -120,13 +128,16 @@ class KVSender:
 
     # -- engine-facing -------------------------------------------------------------------
 
-    def hold(self, req_id: str, block_ids: list[int], num_tokens: int, t0: int, transfer_id: str = "") -> None:
-        """A prefill finished: keep its blocks until D takes them (or the lease runs out)."""
+    def hold(self, req_id: str, block_ids: list[int], num_tokens: int, t0: int, transfer_id: str = "",
+             hidden: torch.Tensor | None = None) -> None:
+        """A prefill finished: keep its blocks until D takes them (or the lease runs out). `hidden`
+        (on the host): the target's hidden states of the prompt's last positions, for D's MTP drafter
+        in place of the MTP layers' KV."""
         # Older held attempts go; pending pulls stay: one for another attempt may be a newer retry
         # whose Submit this P has not read yet (it comes over the front end's link, the pull over ours).
         self.supersede(req_id, transfer_id, pulls=False)
         key = (req_id, transfer_id)
-        held = HeldKV(req_id, block_ids, num_tokens, t0, time.monotonic() + self.lease_s, transfer_id)
+        held = HeldKV(req_id, block_ids, num_tokens, t0, time.monotonic() + self.lease_s, transfer_id, hidden=hidden)
         self.held[key] = held
         pull = self.pulls.pop(key, None)
         if pull is not None:
@@ -275,17 +286,19 @@ class KVSender:
         # Zero-copy: each run of consecutive blocks of one layer's K (or V) is one contiguous slice
         # of the cache. The blocks stay held until D acks, so the memory is stable while ZMQ sends.
         frames = []
-        for layer in range(cache.shape[0]):
+        for layer in range(self._num_layers(held)):
             for kv in (0, 1):
                 for start, n in runs:
                     part = cache[layer, kv, start : start + n]
                     if part.device.type != "cpu":
                         part = part.cpu()
-                    frames.append(memoryview(part.view(torch.uint8).numpy()).cast("B"))
+                    frames.append(tensor_frame(part))
+        if held.hidden is not None:
+            frames.append(tensor_frame(held.hidden))
         header = m.KVHeader(held.req_id, held.num_tokens, num_blocks, held.t0, [n for _, n in runs],
                             list(cache.shape[3:]), str(cache.dtype).removeprefix("torch."), held.transfer_id,
                             self.name, frames_checksum(frames) if self.checksum else None,
-                            self.done_times.get((held.req_id, held.transfer_id), 0.0))
+                            self.done_times.get((held.req_id, held.transfer_id), 0.0), *self._hidden_fields(held))
         self.socket.send_multipart([held.requester, m.encode(header), *frames], copy=False)
         held.sent = True
         self.stats.transfers_sent += 1
@@ -294,11 +307,23 @@ class KVSender:
     def _complete_stream(self, held: HeldKV) -> None:
         assert self.streamer is not None
         key = (held.req_id, held.transfer_id)
-        done = m.KVLayersDone(held.req_id, held.transfer_id, self.name, held.num_tokens, self.kv_cache.shape[0],
-                              held.t0, self.done_times.get(key, 0.0))
-        self.streamer.submit(DoneJob(key, done))
+        frames = [tensor_frame(held.hidden)] if held.hidden is not None else []
+        done = m.KVLayersDone(held.req_id, held.transfer_id, self.name, held.num_tokens, self._num_layers(held),
+                              held.t0, self.done_times.get(key, 0.0), *self._hidden_fields(held),
+                              frames_checksum(frames) if frames and self.checksum else None)
+        self.streamer.submit(DoneJob(key, done, frames))
         held.streamed = held.sent = True
         self.stats.transfers_sent += 1
+
+    def _num_layers(self, held: HeldKV) -> int:
+        """The KV layers the transfer carries: all, or the target's where hidden states stand in for the MTP's."""
+        return self.kv_cache.shape[0] - (self.draft_layers if held.hidden is not None else 0)
+
+    @staticmethod
+    def _hidden_fields(held: HeldKV) -> tuple[int, str]:
+        if held.hidden is None:
+            return 0, ""
+        return held.hidden.shape[0], str(held.hidden.dtype).removeprefix("torch.")
 
     def _forget(self, key: Key) -> None:
         """The transfer is over here: drop its layer-wise state (and what the stream still holds)."""

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.types import SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -17,6 +21,9 @@ class NewRequestData:
     block_ids: list[int]
     sampling_params: SamplingParams
     compute_prompt_logprobs: bool = False  # log_softmax over the prompt positions this slot prefills
+    # A PD handoff from a prefill engine that did not run the MTP layer: the target's hidden states
+    # of the last positions before num_computed_tokens, which the MTP drafter runs it over instead.
+    handoff_hidden: torch.Tensor | None = None
 
 
 @dataclass

@@ -24,6 +24,8 @@ from scheduler.block_manager import BlockManager
 from scheduler.output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    import torch
+
     from kv_transfer.connector import KVConnector
 
 logger = logging.getLogger(__name__)
@@ -123,10 +125,12 @@ class Scheduler:
 
     # -- KV from a prefill instance (decode role) ------------------------------------------
 
-    def kv_loaded(self, req_id: str, t0: int, num_tokens: int) -> RequestUpdate | None:
+    def kv_loaded(self, req_id: str, t0: int, num_tokens: int,
+                  hidden: torch.Tensor | None = None) -> RequestUpdate | None:
         """The prompt's KV is in the request's reserved blocks: the handoff (DESIGN.md §1 step 5),
         prompt + [t0] with everything but t0 computed. A resumed request (failover) already holds
-        its streamed outputs; P handed back the last of them as t0, and the client has seen it."""
+        its streamed outputs; P handed back the last of them as t0, and the client has seen it.
+        `hidden`: the hidden states P handed over for the MTP drafter (NewRequestData.handoff_hidden)."""
         request = self.requests.get(req_id)
         if request is None or request.status != RequestStatus.WAITING_FOR_KV:
             return None
@@ -136,6 +140,7 @@ class Scheduler:
             return self.kv_failed(req_id, f"resumed request: prefill handed over token {t0}, the client was "
                                           f"streamed {request.output_token_ids[-1]}")
         request.num_computed_tokens = num_tokens
+        request.handoff_hidden = hidden
         request.kv_source = ""
         request.status = RequestStatus.WAITING
         # To the front of the queue: it holds memory, so running it soonest frees it soonest.
@@ -236,7 +241,9 @@ class Scheduler:
             out.new_requests.append(NewRequestData(
                 req_id=request.req_id, prompt_len=request.prompt_len, all_token_ids=list(request.all_token_ids),
                 num_computed_tokens=num_computed, block_ids=list(request.block_ids),
-                sampling_params=request.sampling_params, compute_prompt_logprobs=request.computes_prompt_logprobs))
+                sampling_params=request.sampling_params, compute_prompt_logprobs=request.computes_prompt_logprobs,
+                handoff_hidden=request.handoff_hidden if num_computed else None))
+            request.handoff_hidden = None  # once: a preempted request computes its prompt here
             out.num_scheduled_tokens[request.req_id] = num_new
             self._finishes_long_prefill |= num_new == num_uncomputed >= LONG_PREFILL_TOKENS
             budget -= num_new

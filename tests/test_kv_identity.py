@@ -51,11 +51,11 @@ def install_stall(proc, state: dict) -> None:
             state["release"].wait(60)
         return execute(sched)
 
-    def poisoned_hold(req_id, block_ids, num_tokens, t0, transfer_id=""):
+    def poisoned_hold(req_id, block_ids, num_tokens, t0, transfer_id="", hidden=None):
         if state["stalled"] == proc.name:
             proc.core.runner.kv_cache[:, :, block_ids] = 1e3
             t0 = (t0 + 1) % VOCAB
-        hold(req_id, block_ids, num_tokens, t0, transfer_id)
+        hold(req_id, block_ids, num_tokens, t0, transfer_id, hidden)
 
     runner.execute_model = stalled_execute
     sender.hold = poisoned_hold

@@ -130,8 +130,9 @@ def test_prompts_below_the_layerwise_threshold_go_whole(mtp_checkpoints, referen
         assert r["error"] is None, r
         references["qwen2"].assert_matches(p, r["tokens"], NEW, f"{len(p)} tokens")
     assert d_counters["kv_transfer_transfers_received"] == 2
-    # Only the long prompt streamed: 3 KV layers (2 target + MTP) x its four 64-token chunks.
-    assert p_counters["kv_transfer_layers_sent"] == d_counters["kv_transfer_layers_received"] == 3 * 4
+    # Only the long prompt streamed: its 2 target KV layers x four 64-token chunks (P runs no MTP
+    # layer: the prompt's last hidden states come with the done message instead).
+    assert p_counters["kv_transfer_layers_sent"] == d_counters["kv_transfer_layers_received"] == 2 * 4
 
 
 def test_layerwise_without_mtp_and_tiny_chunks(checkpoints, references, tmp_path):

@@ -15,9 +15,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
 
 def pd_outputs(tmp_path, model: str, prompts, params=GREEDY, decode_kwargs=None, prefill_kwargs=None, spec=None,
-               colocated=False):
+               colocated=False, **common_kwargs):
     engines = ThreadedEngines(tmp_path)
-    common = dict(model=model, max_model_len=400, num_threads=1, speculative_method=spec)
+    common = dict(model=model, max_model_len=400, num_threads=1, speculative_method=spec, **common_kwargs)
     if colocated:
         engines.add("colocated", "colocated-0", EngineConfig(**common, max_num_seqs=8))
         mode = "colocated"
@@ -87,6 +87,44 @@ def test_pd_with_mtp_equals_transformers(mtp_checkpoints, references, tmp_path):
     # counts are the metric); decode does both.
     assert sum(cores["prefill-0"].runner.spec_policy.chosen_k_counts) == 0
     assert sum(cores["decode-0"].runner.spec_policy.chosen_k_counts) > 0
+
+
+def test_decode_drafts_from_the_hidden_states_prefill_hands_over(mtp_checkpoints, tmp_path, monkeypatch):
+    """P runs no MTP layer: it hands D the target's hidden states of each prompt's last mtp_window
+    positions, and D's drafter runs the layer over them when it first drafts. D's first drafts
+    are then the colocated engine's (the same hidden states, the same layer); without them
+    (the handed-over states dropped on D) they are not."""
+    from worker.drafter import MTPDrafter
+
+    prompts = random_prompts(12, 40, 120, VOCAB, 76)
+    model = str(mtp_checkpoints["qwen2"])
+    first: dict[tuple[int, ...], list[int]] = {}  # prompt + t0 + t1 -> the drafts proposed after it
+    propose = MTPDrafter.propose
+
+    def recording(self, batch, hidden, accepted, k, draft_meta):
+        drafts = propose(self, batch, hidden, accepted, k, draft_meta)
+        for slot, d in zip(batch.slots.tolist(), drafts):
+            key = tuple(self.states.all_token_ids[slot, : self.states.total_len_np[slot]].tolist())
+            if d and any(len(key) == len(p) + 2 and list(key[: len(p)]) == p for p in prompts):
+                first[key] = d
+        return drafts
+
+    monkeypatch.setattr(MTPDrafter, "propose", recording)
+
+    def first_drafts(**kwargs) -> dict[tuple[int, ...], list[int]]:
+        first.clear()
+        results, _ = pd_outputs(tmp_path, model, prompts, spec="mtp", spec_policy="fixed", **kwargs)
+        assert all(r["error"] is None for r in results)
+        assert len(first) == len(prompts)
+        return dict(first)
+
+    colocated = first_drafts(colocated=True)
+    pd = first_drafts()
+    assert sum(pd[key] == colocated[key] for key in colocated) >= len(prompts) - 1
+    monkeypatch.setattr(MTPDrafter, "seed", lambda self, slot, num_computed, hidden: None)
+    monkeypatch.setenv("PDSERVE_DEBUG_INVARIANTS", "0")
+    dropped = first_drafts()
+    assert sum(dropped[key] == colocated[key] for key in colocated) <= len(prompts) // 2
 
 
 def test_request_finished_by_t0_on_prefill_releases_decode_reservation(checkpoints, references, tmp_path):

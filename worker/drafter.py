@@ -88,17 +88,24 @@ class MTPDrafter:
                 draft_meta: DraftMetadataFn) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in batch.req_ids]
         self.probs = self.probs_rows = None
+        self.flushed = False
+        if self.kv_tap is not None and self.window is not None:
+            # A prefill engine in PD (it never drafts). Rather than run the layer over its prompts'
+            # last `window` positions, it hands their hidden states to the decode instance, whose
+            # drafter runs the layer over them as over a stash -- the first time it drafts for the
+            # request, which under load may be never.
+            self.kv_tap.hand_over_hidden(batch.req_ids, batch.layout, hidden, self.window)
+            self.kv_tap.last_layer_done()
+            return drafts
         if not k and self.kv_tap is None and batch.steady and self._stash_one_each(batch, hidden):
             # The common k=0 step under load (one position per row, nothing to hand over or verify):
             # stashed without the general bookkeeping below, which cost a few percent of such a step.
-            self.flushed = False
             return drafts
         self._materialize()  # (below, the stash is read and written directly)
         n_valid = batch.num_valid(accepted)
         if k and self.kv_tap is None:
             fused = self._fused_steady(batch, hidden, n_valid, accepted, k, draft_meta)
             if fused is not None:
-                self.flushed = False
                 return fused
         # Rows whose prompt KV is handed to a decode instance (tapped) leave this engine after this
         # step: they need the MTP layer's KV of every prompt position now (no later pass would
@@ -125,6 +132,17 @@ class MTPDrafter:
         for row, d in zip(rows.tolist(), table):
             drafts[row] = d
         return drafts
+
+    def seed(self, slot: int, num_computed: int, hidden: torch.Tensor) -> None:
+        """A request admitted with `num_computed` positions whose MTP layer did not run (a PD handoff):
+        `hidden`, the target's hidden states of the last of them, becomes its stash, so that the
+        layer runs over them the first time the row drafts. (Through the deferred copies: a slot's
+        stash is written in the order of its requests.)"""
+        n = min(len(hidden), num_computed, self.stash_positions, self.window or self.stash_positions)
+        slots = np.full(n, slot, dtype=np.int32)
+        self._deferred.append((hidden[len(hidden) - n :].to(self.device), slots, np.arange(n),
+                               np.arange(num_computed - n, num_computed)))
+        self.states.mtp_pending[slot] = n
 
     def _fused_steady(self, batch: InputBatch, hidden: torch.Tensor, n_valid: np.ndarray,
                       accepted: list[list[int]], k: int, draft_meta: DraftMetadataFn) -> list[list[int]] | None:

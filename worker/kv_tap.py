@@ -10,6 +10,10 @@ the compute stream never waits for it.
 
 The first chunk of a request also reports the positions before it (a prefix-cache hit: never
 computed here, but still part of the KV the decode instance needs).
+
+With a windowed MTP drafter the prefill engine does not run the MTP layer at all: each chunk hands
+the sink the target's hidden states of its positions among the prompt's last `window` (`hand_over_hidden`),
+and the decode instance's drafter runs the layer over them when it first drafts.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ Snapshots = Callable[[str], bool]         # req_id -> whether its layers go to t
 LayersDone = Callable[[str], None]        # req_id: the forward of the prompt's last KV layer is over
 # (req_id, layer, start, end, kv [2, end - start, heads, dim] on the host, copy-done event or None)
 LayerSink = Callable[[str, int, int, int, torch.Tensor, torch.cuda.Event | None], None]
+HiddenSink = Callable[[str, int, torch.Tensor], None]  # (req_id, first position, hidden states [n, hidden])
 
 
 @dataclass
@@ -35,16 +40,17 @@ class TapRow:
     end: int     # one past the last, at most the prompt's length
     last: bool   # the prompt's last chunk
     snapshot: bool  # hand each layer's KV of [start, end) to the sink
+    prompt_len: int  # the positions handed over
 
 
 class KVTap:
     def __init__(self, kv_cache: torch.Tensor, block_size: int, target: TapTarget, sink: LayerSink,
-                 snapshot: Snapshots, layers_done: LayersDone) -> None:
+                 snapshot: Snapshots, layers_done: LayersDone, hidden_sink: HiddenSink | None = None) -> None:
         """`snapshot(req_id)`: hand the sink a host copy of each layer's KV of that request; else
         only report `layers_done`, which hears when the last KV layer's forward over a prompt's
-        last chunk is over."""
+        last chunk is over. `hidden_sink` takes the hidden states of `hand_over_hidden`."""
         self.kv_cache, self.block_size, self.target, self.sink = kv_cache, block_size, target, sink
-        self.layers_done = layers_done
+        self.layers_done, self.hidden_sink = layers_done, hidden_sink
         self.snapshot = snapshot
         self.reported: dict[str, int] = {}   # req_id -> positions reported on every layer so far
         self.side_stream = torch.cuda.Stream(kv_cache.device) if kv_cache.device.type == "cuda" else None
@@ -66,7 +72,7 @@ class KVTap:
             if end <= start:
                 continue
             rows[req_id] = TapRow(req_id, min(self.reported.get(req_id, 0), start), end, end == prompt_len,
-                                  self.snapshot(req_id))
+                                  self.snapshot(req_id), prompt_len)
             self.reported[req_id] = end
         return StepTap(self, rows) if rows else None
 
@@ -76,6 +82,22 @@ class StepTap:
 
     def __init__(self, tap: KVTap, rows: dict[str, TapRow]) -> None:
         self.tap, self.rows = tap, rows
+
+    def hand_over_hidden(self, req_ids: Sequence[str], layout: StepLayout, hidden: torch.Tensor, window: int) -> None:
+        """Hand the sink each tapped row's hidden states (`hidden`: the step's, row by row as in
+        `layout`) of the positions among its prompt's last `window` that this step computed."""
+        sink = self.tap.hidden_sink
+        if sink is None:
+            return
+        for r, req_id in enumerate(req_ids):
+            row = self.rows.get(req_id)
+            if row is None:
+                continue
+            computed = int(layout.num_computed[r])
+            first = max(computed, row.prompt_len - window)
+            if first < row.end:
+                at = int(layout.query_start_loc[r]) + first - computed
+                sink(req_id, first, hidden[at : at + row.end - first])
 
     def tapped(self, req_ids: Sequence[str]) -> np.ndarray:
         """Per row of the step, whether it has prompt positions to report."""

@@ -166,6 +166,8 @@ class ModelRunner:
             self.grammar.admit(slot, new.sampling_params.grammar, new.all_token_ids[new.prompt_len:])
             if self.check_invariants:
                 invariants.check_admission(st, slot)
+            if new.handoff_hidden is not None and isinstance(self.drafter, MTPDrafter):
+                self.drafter.seed(slot, new.num_computed_tokens, new.handoff_hidden)
         for cached in sched.cached_requests:
             st.update_request(cached)
         st.refresh_computed_prefill()
