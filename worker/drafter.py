@@ -335,7 +335,14 @@ class MTPDrafter:
         else:
             next_ids = self._gather_next_ids(slots, layout, start)
         st.mtp_pending[slots] = 0
-        # The whole layer at each drafting row's last position; before it, the K/V of the rest.
+        return self._run_layer([batch.req_ids[r] for r in rows.tolist()], layout, h_in, next_ids, drafts_from)
+
+    def _run_layer(self, req_ids: list[str], layout: StepLayout, h_in: torch.Tensor, next_ids: torch.Tensor,
+                   drafts_from: np.ndarray) -> torch.Tensor | None:
+        """The layer over `layout`'s positions: whole at the last position of each row where
+        `drafts_from` (its output, returned), only its K/V at the others (written first: the whole
+        layer attends them)."""
+        dev, lens, start = self.device, layout.query_lens, layout.num_computed
         kv_lens = lens - drafts_from
         if kv_lens.any():
             kv_rows = np.nonzero(kv_lens)[0]
@@ -348,18 +355,17 @@ class MTPDrafter:
                 kv_h, kv_ids = h_in, next_ids
             writer = CacheWriter(self.kv_views, kv_layout, self.block_size, dev)
             if self.kv_tap is not None:
-                writer.tap = self.kv_tap.layer_tap([batch.req_ids[r] for r in rows[kv_rows].tolist()], kv_layout)
+                writer.tap = self.kv_tap.layer_tap([req_ids[r] for r in kv_rows.tolist()], kv_layout)
             self.model.mtp_write_kv(0, kv_h, kv_ids, writer.positions, writer,
                                     has_position0=bool((kv_layout.num_computed == 0).any()))
         if not drafts_from.any():
             return None
         out_rows = np.nonzero(drafts_from)[0]
-        last = layout.query_start_loc[1:][out_rows] - 1
-        ends = start[out_rows] + lens[out_rows] - 1
-        out_layout = StepLayout(layout.block_tables[out_rows], ends.astype(np.int32), np.ones(len(out_rows), np.int32))
-        ctx = AttentionContext(self.kv_views, out_layout, self.block_size, dev, self.sliding_window)
-        if len(out_rows) < len(rows) or kv_lens.any():
-            pick = torch.from_numpy(last).to(dev)
+        ends = (start + lens - 1)[out_rows].astype(np.int32)
+        ctx = AttentionContext(self.kv_views, StepLayout(layout.block_tables[out_rows], ends, np.ones_like(ends)),
+                               self.block_size, dev, self.sliding_window)
+        if len(out_rows) < len(lens) or kv_lens.any():
+            pick = torch.from_numpy(layout.query_start_loc[1:][out_rows] - 1).to(dev)
             h_in, next_ids = h_in[pick], next_ids[pick]
         return self.model.mtp_forward(0, h_in, next_ids, ctx.positions, ctx, has_position0=bool((ends == 0).any()))
 
