@@ -438,3 +438,42 @@ def test_a_pull_from_a_new_connection_gets_the_whole_transfer_and_p_death_ends_i
         if sender is not None:
             sender.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_hidden_states_stand_in_for_the_mtp_layers_kv(layerwise, tmp_path):
+    """A prefill engine that hands over hidden states (windowed MTP) sends the target layers' KV and
+    the hidden states, not the MTP layer's KV: D lands the first, keeps the second for its drafter
+    and leaves the MTP layer's blocks alone. Hidden states of the wrong size fail the transfer with
+    a clear reason, before anything is written."""
+    ctx = zmq.Context()
+    src = torch.randn(SHAPE)
+    hidden = torch.randn(3, 16)
+    n, blocks = 10, [0, 1, 2]
+    sender = KVSender(ctx, f"ipc://{tmp_path}/p", src, "h", "{}", "prefill-0", lambda *_: None,
+                      layerwise=layerwise, checksum=True, draft_layers=1)
+    receivers = {size: KVReceiver(ctx, torch.zeros(SHAPE), "h", "{}", f"decode-{size}", deadline_s=30.0,
+                                  draft_layers=1, hidden_size=size) for size in (16, 12)}
+    try:
+        for size, (req_id, receiver) in zip((16, 12), (("r1", receivers[16]), ("r2", receivers[12]))):
+            if layerwise:
+                for layer in range(2):  # the target's layers only: P ran no MTP layer
+                    kv = src[layer].reshape(2, -1, *SHAPE[4:])[:, :n].clone()
+                    sender.publish_layer(req_id, "t", layer, 0, n, n, kv)
+            receiver.start(req_id, sender.address, blocks, "t", n)
+            sender.hold(req_id, blocks, n, 9, "t", hidden)
+            done, failed = pump_until(receiver, lambda d, f: (sender.poll(), d or f)[-1])
+            dst = receiver.kv_cache
+            if size == 16:
+                assert not failed and torch.equal(done[0].hidden, hidden) and done[0].t0 == 9
+                assert torch.equal(dst[:2, :, :2], src[:2, :, :2]) and torch.equal(dst[:2, :, 2, :2], src[:2, :, 2, :2])
+                assert not dst[2].any()  # the MTP layer's blocks: not sent, not written
+            else:
+                assert not done and "hidden states" in failed[0].reason, failed
+                if not layerwise:  # (a stream's layers land as they come; a whole transfer is checked first)
+                    assert not dst.any()
+    finally:
+        sender.close()
+        for receiver in receivers.values():
+            receiver.close()
+        ctx.term()

@@ -15,7 +15,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
 
 def pd_outputs(tmp_path, model: str, prompts, params=GREEDY, decode_kwargs=None, prefill_kwargs=None, spec=None,
-               colocated=False, **common_kwargs):
+               colocated=False, prefill_kv=None, **common_kwargs):
     engines = ThreadedEngines(tmp_path)
     common = dict(model=model, max_model_len=400, num_threads=1, speculative_method=spec, **common_kwargs)
     if colocated:
@@ -24,7 +24,7 @@ def pd_outputs(tmp_path, model: str, prompts, params=GREEDY, decode_kwargs=None,
     else:
         prefill_common = {**common, "speculative_method": spec, "num_speculative_tokens": 1}
         engines.add("prefill", "prefill-0", EngineConfig(**prefill_common, max_num_batched_tokens=128,
-                                                         **(prefill_kwargs or {})))
+                                                         **(prefill_kwargs or {})), **(prefill_kv or {}))
         engines.add("decode", "decode-0", EngineConfig(**common, **{"max_num_seqs": 2, **(decode_kwargs or {})}))
         mode = "pd"
     engines.start()
@@ -89,11 +89,13 @@ def test_pd_with_mtp_equals_transformers(mtp_checkpoints, references, tmp_path):
     assert sum(cores["decode-0"].runner.spec_policy.chosen_k_counts) > 0
 
 
-def test_decode_drafts_from_the_hidden_states_prefill_hands_over(mtp_checkpoints, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kv_mode", ["after-prefill", "layerwise"])
+def test_decode_drafts_from_the_hidden_states_prefill_hands_over(kv_mode, mtp_checkpoints, tmp_path, monkeypatch):
     """P runs no MTP layer: it hands D the target's hidden states of each prompt's last mtp_window
-    positions, and D's drafter runs the layer over them when it first drafts. D's first drafts
-    are then the colocated engine's (the same hidden states, the same layer); without them
-    (the handed-over states dropped on D) they are not."""
+    positions (with the whole KV, or with the done message of a layer-wise stream), and D's
+    drafter runs the layer over them when it first drafts. D's first drafts are then the
+    colocated engine's (the same hidden states, the same layer); without them (the handed-over
+    states dropped on D) they are not."""
     from worker.drafter import MTPDrafter
 
     prompts = random_prompts(12, 40, 120, VOCAB, 76)
@@ -113,7 +115,8 @@ def test_decode_drafts_from_the_hidden_states_prefill_hands_over(mtp_checkpoints
 
     def first_drafts(**kwargs) -> dict[tuple[int, ...], list[int]]:
         first.clear()
-        results, _ = pd_outputs(tmp_path, model, prompts, spec="mtp", spec_policy="fixed", **kwargs)
+        kv = {} if kwargs.get("colocated") else {"kv_mode": kv_mode, "kv_layerwise_min_tokens": 0}
+        results, _ = pd_outputs(tmp_path, model, prompts, spec="mtp", spec_policy="fixed", prefill_kv=kv, **kwargs)
         assert all(r["error"] is None for r in results)
         assert len(first) == len(prompts)
         return dict(first)
