@@ -67,10 +67,12 @@ class MTPDrafter:
         self.stash_positions = stash_positions
         self.stash: torch.Tensor | None = None  # [slots, stash_positions, hidden], allocated on first use
         self._stash_bits: np.ndarray | None = None  # on CPU: the stash's bits as numpy (see _stash_rows)
-        # Stash copies of steady k=0 steps not made yet (see _stash_one_each): (hidden, slots, stash index,
-        # position).
-        self._deferred: collections.deque[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]] = collections.deque()
-        # Past this many steps an entry's positions have left the window of every row that decoded since.
+        # Stash copies of steady k=0 steps (and of handed-over hidden states) not made yet, oldest first
+        # (see _stash_one_each): (hidden, slots, stash index, position, steady steps before it).
+        self._deferred: collections.deque[tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray, int]] = (
+            collections.deque())
+        self._steady_steps = 0  # steady k=0 steps stashed so far
+        # Past this many steady steps an entry's positions have left the window of every row that decoded since.
         self._deferred_cap = (window or 62) + 2
         self.mode = DraftMode.INDEPENDENT
         # The last propose()'s independently drawn drafts: their distributions [rows, k, draft vocab]
@@ -141,7 +143,7 @@ class MTPDrafter:
         n = min(len(hidden), num_computed, self.stash_positions, self.window or self.stash_positions)
         slots = np.full(n, slot, dtype=np.int32)
         self._deferred.append((hidden[len(hidden) - n :].to(self.device), slots, np.arange(n),
-                               np.arange(num_computed - n, num_computed)))
+                               np.arange(num_computed - n, num_computed), self._steady_steps))
         self.states.mtp_pending[slot] = n
 
     def _fused_steady(self, batch: InputBatch, hidden: torch.Tensor, n_valid: np.ndarray,
@@ -263,16 +265,23 @@ class MTPDrafter:
         at = pending[batch.slots]
         if (at >= self.stash_positions).any():
             return False
-        self._deferred.append((hidden, batch.slots, at, batch.layout.num_computed))
+        self._steady_steps += 1
+        self._deferred.append((hidden, batch.slots, at, batch.layout.num_computed, self._steady_steps))
         pending[batch.slots] = at + 1
-        if len(self._deferred) > self._deferred_cap:
-            self._write_deferred(*self._deferred.popleft())
+        while self._deferred[0][4] <= self._steady_steps - self._deferred_cap:
+            entry = self._deferred.popleft()
+            # Since the entry, the deque has only held steady steps (the general path empties it),
+            # each of which moved every row on by one: with a window, the entry is now out of the
+            # window of each row still its slot's request, and stale for a slot reused since
+            # (copying those was most of this path's cost under load, where slots turn over often).
+            if self.window is None:
+                self._write_deferred(*entry[:4])
         return True
 
     def _materialize(self) -> None:
         """Make the deferred stash copies, oldest first (as _stash_rows would have made them)."""
         while self._deferred:
-            self._write_deferred(*self._deferred.popleft())
+            self._write_deferred(*self._deferred.popleft()[:4])
 
     def _write_deferred(self, hidden: torch.Tensor, slots: np.ndarray, at: np.ndarray, positions: np.ndarray) -> None:
         # Positions before a row's window (what _mtp_pass skips, and a full stash drops) are never read.
