@@ -6,14 +6,14 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PDSERVE_DEBUG_INVARIANTS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 # That machine has no network, and its python lacks some of the engine's own dependencies: they come
-# as wheels carried in .whl/ (gitignored; filled on the CPU box with `pip download --only-binary=:all:
-# --python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl msgspec
-# xxhash pyzmq prometheus_client pytest-timeout hypothesis ninja fastapi uvicorn httpx`, then xgrammar and
-# apache-tvm-ffi with --no-deps, which keeps pip from pulling a CUDA torch).
+# as wheels carried in .whl/ (gitignored), filled on the CPU box with `pip download --only-binary=:all:
+# --python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl` of
+# $DEPS, then of $NODEPS with --no-deps (xgrammar's own requirements would pull a CUDA torch).
+DEPS="msgspec xxhash pyzmq prometheus_client pytest-timeout hypothesis ninja fastapi uvicorn httpx"
+NODEPS="xgrammar apache-tvm-ffi"
 if [ -d .whl ]; then
-    python3 -m pip install -q --break-system-packages --no-index --find-links .whl msgspec xxhash pyzmq \
-        prometheus_client pytest-timeout hypothesis ninja fastapi uvicorn httpx
-    python3 -m pip install -q --break-system-packages --no-index --find-links .whl --no-deps xgrammar apache-tvm-ffi
+    python3 -m pip install -q --break-system-packages --no-index --find-links .whl $DEPS
+    python3 -m pip install -q --break-system-packages --no-index --find-links .whl --no-deps $NODEPS
 fi
 nvidia-smi -L
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
