@@ -222,7 +222,7 @@ def test_independent_fused_drafts_are_drawn_from_q(mtp_checkpoints, tmp_path):
     with torch.inference_mode():
         drafts = model.fused_drafts(h, torch.full((rows,), 7, dtype=torch.long), 1, k_cache, v_cache,
                                     torch.zeros(rows, 4, dtype=torch.int32), 4, None,
-                                    noise=torch.rand(rows, 1, len(vocab_ids), generator=g),
+                                    noise=torch.rand(rows, 1, 1, generator=g),
                                     inv_temp=torch.full((rows,), 1 / temperature), draft_probs=probs)
         # (Both over more than BF16_MAX_ROWS rows: the head's fp32 weight, as the op uses for this many.)
         logits = model.compute_draft_logits(h[: 2 * BF16_MAX_ROWS])[0, vocab_ids].float()

@@ -388,9 +388,9 @@ at::Tensor mtp_layer(const at::Tensor& hidden, const at::Tensor& input_ids, cons
 // normaliser does not change the argmax).
 //
 // With `draft_probs` [R, k, Vd] non-empty as well, the drafts are drawn independently instead
-// (DraftMode.INDEPENDENT): `noise` is then [R, k, Vd], fresh uniforms per draft-vocabulary entry,
-// the race runs over the draft vocabulary alone, and draft_probs receives each draft's distribution
-// q = softmax(logits * inv_temp) for the rejection sampler (zero outside the draft vocabulary).
+// (DraftMode.INDEPENDENT): `noise` is then [R, k, 1], one fresh uniform a draft, which picks the
+// draft from q = softmax(logits * inv_temp) over the draft vocabulary by inverse CDF, and
+// draft_probs receives each q for the rejection sampler (zero outside the draft vocabulary).
 //
 // With `pass_ids` non-empty, `hidden` is instead the target's hidden states of the step's kept
 // positions (row r: pass_len[r] of them, ending at last_pos[r], consecutive rows back to back), and
@@ -417,15 +417,15 @@ at::Tensor mtp_draft(const at::Tensor& hidden, const at::Tensor& pass_ids, const
               "mtp_draft: vocab_ids must be empty or the int64 token id of each head row");
   const Projection score{head, head_fp32, nullptr, c10::nullopt};
   const bool sampled = noise.numel() > 0;
+  const bool independent = draft_probs.numel() > 0;
   const int64_t V = sampled ? noise.size(2) : 0;
   TORCH_CHECK(!sampled || (noise.scalar_type() == at::kFloat && noise.is_contiguous() && noise.dim() == 3 &&
                            noise.size(0) == R && noise.size(1) == k && inv_temp.scalar_type() == at::kFloat &&
-                           inv_temp.numel() == R && (vocab_ids.numel() || V == Vd)),
+                           inv_temp.numel() == R && (independent || vocab_ids.numel() || V == Vd)),
               "mtp_draft: noise must be [rows, k, vocab] float32 uniforms with inv_temp [rows] float32");
-  const bool independent = draft_probs.numel() > 0;
-  TORCH_CHECK(!independent || (sampled && V == Vd && draft_probs.scalar_type() == at::kFloat &&
+  TORCH_CHECK(!independent || (sampled && V == 1 && draft_probs.scalar_type() == at::kFloat &&
                                draft_probs.is_contiguous() && draft_probs.numel() == R * k * Vd),
-              "mtp_draft: draft_probs must be [rows, k, draft vocab] float32, with noise of the same shape");
+              "mtp_draft: draft_probs must be [rows, k, draft vocab] float32, with noise [rows, k, 1]");
   float* q_out = independent ? draft_probs.data_ptr<float>() : nullptr;
   const float* un = sampled ? noise.data_ptr<float>() : nullptr;
   const float* it = sampled ? inv_temp.data_ptr<float>() : nullptr;
@@ -479,21 +479,29 @@ at::Tensor mtp_draft(const at::Tensor& hidden, const at::Tensor& pass_ids, const
     for (int64_t r = 0; r < R; ++r) {
       const float* row = lp + r * Vd;
       int64_t best = 0;
-      if (sampled) {
+      if (independent) {
+        // q = softmax(row * inv_temp) over the draft vocabulary, and a draw from it by inverse CDF:
+        // one uniform a draft (the exponential race below takes two logarithms a token).
+        float* q = q_out + (r * k + i) * Vd;
+        float peak = -std::numeric_limits<float>::infinity(), sum = 0.f;
+        for (int64_t v = 0; v < Vd; ++v) peak = std::max(peak, row[v] * it[r]);
+        for (int64_t v = 0; v < Vd; ++v) sum += (q[v] = std::exp(row[v] * it[r] - peak));
+        const float target = un[r * k + i] * sum;
+        float below = 0.f;
+        best = -1;
+        for (int64_t v = 0; v < Vd; ++v) {
+          if (q[v] > 0.f) best = v;  // (a target rounded up to the sum takes the last token of mass)
+          if ((below += q[v]) > target && best == v) break;
+        }
+        for (int64_t v = 0; v < Vd; ++v) q[v] /= sum;
+      } else if (sampled) {
         const float* u = un + (r * k + i) * V;
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t v = 0; v < Vd; ++v) {
-          const int64_t id = independent || !ids ? v : ids[v];
+          const int64_t id = ids ? ids[v] : v;
           const float e = std::max(-std::log1p(-u[id]), std::numeric_limits<float>::min());
           const float score = row[v] * it[r] - std::log(e);
           if (score > top) top = score, best = v;
-        }
-        if (independent) {  // q = softmax(row * inv_temp) over the draft vocabulary
-          float* q = q_out + (r * k + i) * Vd;
-          float peak = -std::numeric_limits<float>::infinity(), sum = 0.f;
-          for (int64_t v = 0; v < Vd; ++v) peak = std::max(peak, row[v] * it[r]);
-          for (int64_t v = 0; v < Vd; ++v) sum += (q[v] = std::exp(row[v] * it[r] - peak));
-          for (int64_t v = 0; v < Vd; ++v) q[v] /= sum;
         }
       } else {
         for (int64_t v = 1; v < Vd; ++v) best = row[v] > row[best] ? v : best;  // the first of equal maxima

@@ -124,8 +124,9 @@ class CausalLM(nn.Module):
         over (x_{i+1} = pass_ids). `noise` [rows, k, vocab]: the uniforms the verifier samples each
         draft's output position with, `inv_temp` [rows]: 1 / temperature. With `draft_probs`
         [rows, k, draft vocab] the drafts are drawn independently instead, from q = softmax(logits *
-        inv_temp) over the draft vocabulary with `noise` of that shape, and q is written there (for
-        the rejection sampler). None where the fused MTP layer or the draft head's bf16 weight is not there."""
+        inv_temp) over the draft vocabulary by inverse CDF with `noise` [rows, k, 1] (one uniform a
+        draft), and q is written there (for the rejection sampler). None where the fused MTP layer or
+        the draft head's bf16 weight is not there."""
         layer, head = self.model.mtp_layers[0], self.draft_head
         if layer.fused is None or head is None or head.bf16 is None:
             return None
