@@ -197,11 +197,10 @@ class MTPDrafter:
             return {}
         if self.mode is DraftMode.INDEPENDENT and self._independent(slots):
             st, gen = self.states, self.sampler._default_generator(self.device)  # noqa: SLF001 - same package
-            vocab = self.model.draft_head.out_features
-            temps = [st.sampling_params[s].temperature for s in slots.tolist()]
+            inv_temps = [1.0 / st.sampling_params[s].temperature for s in slots.tolist()]
             return {"noise": torch.rand(len(slots), k, 1, generator=gen, device=self.device),
-                    "inv_temp": 1.0 / torch.tensor(temps, dtype=torch.float32, device=self.device),
-                    "draft_probs": torch.empty(len(slots), k, vocab, device=self.device)}
+                    "inv_temp": torch.tensor(inv_temps, dtype=torch.float32, device=self.device),
+                    "draft_probs": torch.empty(len(slots), k, self.model.draft_head.out_features, device=self.device)}
         metas = [draft_meta(slots, j) for j in range(k)]
         if metas[0] is None:
             return {}

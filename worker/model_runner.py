@@ -213,24 +213,28 @@ class ModelRunner:
             hidden = hidden[torch.from_numpy(positions).to(self.device)]
         logits = self.model.compute_logits(hidden)
         slots = batch.slots[rows]
-        drafts = [self.states.draft_tokens_np[s, :n].tolist() for s, n in zip(slots, k)]
-        kept: list[list[int]] = [[] for _ in rows]
+        table = self.states.draft_tokens_np[slots, : max(1, int(k.max()))].tolist()
+        drafts = [row[:n] for row, n in zip(table, k.tolist())]
         # Rows whose drafts were drawn independently go to the standard rejection sampler with their
-        # q; the others are verified by matching the target's own (keyed) samples.
+        # q; the others are verified by matching the target's own (keyed) samples. Most steps are all
+        # one or the other, and skip the split (its small array ops were ~5% of a batch-1 verify step).
         independent = self.states.draft_has_probs[slots] & (k > 0)
-        starts = np.cumsum(k + 1) - (k + 1)  # row r's logits are [starts[r], starts[r] + 1 + k[r])
         self._sampled_step = False
-        for group, verify in ((np.nonzero(independent)[0], self._verify_independent),
-                              (np.nonzero(~independent)[0], self._verify_matching)):
-            if not len(group):
-                continue
-            picked = logits
-            if len(group) < len(rows):
+        if independent.all():
+            kept = self._verify_independent(logits, k, slots, drafts)
+            self._sampled_step = True
+        elif not independent.any():
+            kept = self._verify_matching(logits, k, slots, drafts)
+        else:
+            kept = [[] for _ in rows]
+            starts = np.cumsum(k + 1) - (k + 1)  # row r's logits are [starts[r], starts[r] + 1 + k[r])
+            for group, verify in ((np.nonzero(independent)[0], self._verify_independent),
+                                  (np.nonzero(~independent)[0], self._verify_matching)):
                 picked = logits[torch.from_numpy(np.concatenate(
                     [np.arange(starts[i], starts[i] + 1 + k[i]) for i in group])).to(self.device)]
-            for i, toks in zip(group.tolist(), verify(picked, k[group], slots[group], [drafts[i] for i in group])):
-                kept[i] = toks
-        self._sampled_step = self._sampled_step or bool(independent.any())
+                for i, toks in zip(group.tolist(), verify(picked, k[group], slots[group], [drafts[i] for i in group])):
+                    kept[i] = toks
+            self._sampled_step = True
         for row, toks in zip(rows.tolist(), kept):
             accepted[row] = toks
         return accepted, self._logprobs(logits, k, slots, rows, kept, len(batch.req_ids))
@@ -270,14 +274,16 @@ class ModelRunner:
         (fused_ops.rejection_verify). Its uniforms come from the sampler's default generator: these
         rows have no seed to key them by."""
         st, dev = self.states, self.device
-        q = torch.cat([st.draft_probs[s, :n] for s, n in zip(slots.tolist(), k.tolist())])
-        temps = torch.tensor([st.sampling_params[s].temperature for s in slots.tolist()], dtype=torch.float32)
+        slot_list, k_list = slots.tolist(), k.tolist()
+        q = (st.draft_probs[slot_list[0], : k_list[0]] if len(slot_list) == 1
+             else torch.cat([st.draft_probs[s, :n] for s, n in zip(slot_list, k_list)]))
+        flat = [t for d in drafts for t in d]
         gen = self.sampler._default_generator(dev)  # noqa: SLF001 - same package
+        u = torch.rand(len(flat) + len(slot_list), generator=gen, device=dev)  # each draft's, then each row's
         result = fused_ops.rejection_verify(
-            logits.float(), temps.to(dev), torch.from_numpy(k.astype(np.int32)).to(dev),
-            torch.tensor([t for d in drafts for t in d], dtype=torch.int32, device=dev), q, self.model.draft_vocab,
-            torch.rand(q.shape[0], generator=gen, device=dev),
-            torch.rand(len(slots), generator=gen, device=dev)).tolist()
+            logits.float(), torch.tensor([st.sampling_params[s].temperature for s in slot_list], device=dev),
+            torch.tensor(k_list, dtype=torch.int32, device=dev), torch.tensor(flat, dtype=torch.int32, device=dev),
+            q, self.model.draft_vocab, u[: len(flat)], u[len(flat) :]).tolist()
         return [d[:m] + [tok] for d, (m, tok) in zip(drafts, result)]
 
     def _plain_greedy(self, slots: np.ndarray) -> bool:
