@@ -32,7 +32,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -43,39 +42,6 @@ _spec = importlib.util.spec_from_file_location("train_tiny_model", Path(__file__
 ttm = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = ttm  # (its dataclasses look their module up there)
 _spec.loader.exec_module(ttm)
-
-
-def window_mask(t: int, k: int, window: int) -> torch.Tensor:
-    """`train_tiny_model.recursive_mask` for pass k, limited as the engine's MTP attention is:
-    a query at position j sees keys at positions > j - window (0: no limit)."""
-    mask = ttm.recursive_mask(t, k) if k > 1 else torch.ones(t, t, dtype=torch.bool).tril()
-    if window:
-        j = torch.arange(t)[:, None]
-        p = torch.arange(t)[None, :].repeat(1, k)
-        mask &= p > j - window
-    return mask
-
-
-def mtp_outputs(mtp, embed, rotary, h: torch.Tensor, next_tokens: torch.Tensor, depth: int,
-                window: int) -> list[torch.Tensor]:
-    """Teacher-forced MTP hidden states per recursive pass (`train_tiny_model.mtp_passes`
-    with the attention window); pass k's output at j drafts x_{j+2}."""
-    b, t, _ = h.shape
-    positions = torch.arange(t)
-    emb = embed(next_tokens) * (positions != 0).to(h.dtype)[None, :, None]
-    cos, sin = rotary(h, positions[None])
-    outs, keys, values, h_in = [], [], [], h
-    for k in range(1, depth + 1):
-        x = mtp.fuse(h_in, emb)
-        q, key, value = mtp.qkv(x, cos, sin)
-        keys.append(key)
-        values.append(value)
-        attn = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
-                                              attn_mask=window_mask(t, k, window), enable_gqa=True)
-        g = mtp.finish(x, attn)
-        outs.append(g)
-        h_in = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)
-    return outs
 
 
 def batch_stats(model, mtp, batch: torch.Tensor, vocab: torch.Tensor, depth: int, window: int):
@@ -89,7 +55,7 @@ def batch_stats(model, mtp, batch: torch.Tensor, vocab: torch.Tensor, depth: int
         p_full = full.softmax(-1)
         teacher = full[..., vocab].log_softmax(-1)       # p restricted to q's support, renormalised
     head = model.lm_head.weight[vocab]
-    outs = mtp_outputs(mtp, model.model.embed_tokens, model.model.rotary_emb, h, batch[:, 1: t + 1], depth, window)
+    outs = ttm.mtp_passes(mtp, model.model.embed_tokens, model.model.rotary_emb, h, batch[:, 1: t + 1], depth, window)
     stats = []
     for k, g in enumerate(outs, start=1):
         # Pass k at position j (from the true hidden state at j-k+1) drafts x_{j+2}: the target's

@@ -393,8 +393,16 @@ def recursive_mask(t: int, k: int, device=None) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
+def window_mask(t: int, k: int, window: int) -> torch.Tensor:
+    """`recursive_mask` for pass k (k = 1: causal), limited as the engine's MTP attention window is:
+    a query at position j sees keys at positions > j - window."""
+    mask = recursive_mask(t, k) if k > 1 else torch.ones(t, t, dtype=torch.bool).tril()
+    j = torch.arange(t)[:, None]
+    return mask & (torch.arange(t)[None, :].repeat(1, k) > j - window)
+
+
 def mtp_passes(mtp: MTPLayer, embed: nn.Embedding, rotary, h: torch.Tensor,
-               next_tokens: torch.Tensor, n_passes: int) -> list[torch.Tensor]:
+               next_tokens: torch.Tensor, n_passes: int, window: int = 0) -> list[torch.Tensor]:
     """Teacher-forced MTP over a whole sequence, for n_passes recursion depths.
 
     h: [B, T, H] target final hidden states (after model.norm) for positions 0..T-1.
@@ -415,7 +423,10 @@ def mtp_passes(mtp: MTPLayer, embed: nn.Embedding, rotary, h: torch.Tensor,
         q, key, value = mtp.qkv(x, cos, sin)
         keys.append(key)
         values.append(value)
-        if k == 1:
+        if window:  # (scripts/distill_mtp.py: the engine's window)
+            attn = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
+                                                  attn_mask=window_mask(t, k, window), enable_gqa=True)
+        elif k == 1:
             attn = F.scaled_dot_product_attention(q, key, value, is_causal=True, enable_gqa=True)
         else:
             attn = F.scaled_dot_product_attention(
