@@ -250,6 +250,20 @@ def test_a_new_sampling_bucket_borrows_from_its_own_batch_size_first():
     assert set(feed(policy, 16, [5.0, 12.0, 17.0], [0.8, 0.8], 100, sampled=True)) == {0}, policy.summary()
 
 
+def test_a_bucket_between_two_measured_ones_reads_its_costs_off_both():
+    """A draining batch passes through 2-6 rows a few steps at a time and measures nothing there. Its
+    costs are interpolated in batch size between the buckets measured on either side: batch 1's ratios
+    alone (the nearest) made drafting look far cheaper at 4 rows than it is."""
+    policy = SpecPolicy(2)
+    feed(policy, 1, [2.0, 2.4, 2.8], [0.9, 0.9], 300, sampled=True, rows=1)
+    feed(policy, 12, [5.0, 9.0, 12.0], [0.9, 0.9], 300, sampled=True)
+    assert [policy.buckets[b, True].ratio(k) for b in (1, 12) for k in (1, 2)] == pytest.approx([1.2, 1.4, 1.8, 2.4])
+    base = 2.0 + 3.0 * 3 / 11  # batch 4: 3/11 of the way from batch 1 to batch 12
+    expected = [base, base * (1.2 + 0.6 * 3 / 11), base * (1.4 + 1.0 * 3 / 11)]
+    assert policy.cost_estimates((4, True)) == pytest.approx([ms / 1e3 for ms in expected])
+    assert policy.cost_estimates((16, True)) == pytest.approx([5e-3, 9e-3, 12e-3])  # beyond: the nearest
+
+
 def test_a_k_in_use_that_costs_more_than_its_estimate_is_re_measured_at_once():
     """Drafting's cost doubles (the workload changed: longer contexts, another kind of request):
     the recent steps of the k in use disagree with its estimate, so it is re-measured within a

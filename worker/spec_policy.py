@@ -448,18 +448,42 @@ class SpecPolicy:
         return self.expected_tokens(k) / (estimates[k] + overhead) >= self.prune / (estimates[0] + overhead)
 
     def cost_estimates(self, bucket: BucketKey, near: bool = False) -> list[float | None]:
-        """Seconds per step for each k at `bucket`: k=0 as measured (or the nearest bucket's);
-        k>0 as that times the measured ratio C(k)/C(0) here, else at the nearest bucket that has
-        one, else the raw measurement. `near`: only buckets within a factor of 2 in batch size."""
-        base = self._nearest(bucket, lambda c: c.steps[0].value if c.steps[0].count else None, near)
+        """Seconds per step for each k at `bucket`: k=0 as measured (or read off other buckets, see
+        _between); k>0 as that times the measured ratio C(k)/C(0) here (or read off others the same
+        way), else the raw measurement. `near`: only buckets within a factor of 2 in batch size."""
+        base = self._between(bucket, lambda c: c.steps[0].value if c.steps[0].count else None, near)
         out: list[float | None] = [base]
         for k in range(1, self.num_spec + 1):
-            ratio = self._nearest(bucket, lambda c, k=k: c.ratio(k), near)
+            ratio = self._between(bucket, lambda c, k=k: c.ratio(k), near)
             if ratio is not None and base is not None:
                 out.append(base * ratio)
             else:
                 out.append(self._nearest(bucket, lambda c, k=k: c.steps[k].value if c.steps[k].count else None, near))
         return out
+
+    def _between(self, bucket: BucketKey, get, near: bool = False) -> float | None:
+        """`get` of `bucket` itself, else interpolated linearly in batch size between the nearest
+        smaller and larger buckets of the same kind of step that have it, else the nearest bucket's.
+        A step's cost and its ratios C(k)/C(0) grow with the rows, so a batch draining through 4 rows
+        that took batch 1's C(2)/C(0) (1.37 at T=1 through the server) judged k=2 1.5x better than k=0,
+        where at 4 rows it costs 1.8x a plain step (the buckets a batch only passes through have no
+        measurements of their own)."""
+        own = self.buckets.get(bucket)
+        if own is not None and (value := get(own)) is not None:
+            return value
+        size, sampled = bucket
+        below = above = None  # (batch bucket, value)
+        for (other, kind), costs in self.buckets.items():
+            if kind != sampled or (near and not size / 2 <= other <= size * 2) or (value := get(costs)) is None:
+                continue
+            if other < size and (below is None or other > below[0]):
+                below = (other, value)
+            elif other > size and (above is None or other < above[0]):
+                above = (other, value)
+        if below is None or above is None:
+            return self._nearest(bucket, get, near)
+        (x0, y0), (x1, y1) = below, above
+        return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
 
     def _nearest(self, bucket: BucketKey, get, near: bool = False) -> float | None:
         """`get` of the nearest bucket that has it: the closest batch size (what a step's cost ratios
