@@ -15,10 +15,12 @@ warm-up measurements, the prefix cache of the repeated prompts). The warm-up rou
 reported too: what a fresh server pays in its first minute. Writes `benchmarks/results/spec_serving.md`.
 
     python benchmarks/bench_spec_serving.py [--rounds 3] [--warmup-rounds 1] [--quick] [--workloads load16]
-                                            [--baseline REV]
+                                            [--baseline REV] [--noise-floor]
 
 `--baseline REV` also serves the default (MTP) of another commit, from a git worktree, turn by turn
 with the other two: a change to speculation measured against the code before it in the same minutes.
+`--noise-floor` serves without speculation in the MTP server's place as well: the ratios two identical
+servers measure, against which a ratio near 1.0 is to be read.
 """
 from __future__ import annotations
 
@@ -94,13 +96,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workloads", default="batch1,load16", help="which of batch1, load16")
     ap.add_argument("--baseline", help="a git revision whose default (MTP) server also runs")
+    ap.add_argument("--noise-floor", action="store_true",
+                    help="serve without speculation in the MTP server's place too: what two identical servers measure")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "spec_serving.md"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="pdserve-spec-serving-"))
     loads = workloads(stdlib_sharegpt(work / "stdlib.json", 64, 8, seed=0), args.quick)
     loads = {name: loads[name] for name in args.workloads.split(",")}
-    servers = {name: (flags, REPO) for name, flags in SERVERS.items()}
+    servers = {name: (SERVERS["none"] if args.noise_floor else flags, REPO) for name, flags in SERVERS.items()}
     if args.baseline:
         tree = work / "baseline"
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.baseline], check=True)
@@ -143,7 +147,8 @@ def main() -> None:
              f"{os.cpu_count()} cores; `pdserve serve` defaults (1 prefill + 1 decode engine) with and without "
              f"`--speculative-method none`, both up for the whole run, taking turns workload by workload; "
              f"{len(runs['mtp'])} timed round(s) after {warmup} untimed; MTP / no spec is the median of the "
-             f"per-round ratios.", "",
+             f"per-round ratios.", *(["", "**Noise floor: the 'MTP' server runs without speculation too.**"]
+                                    if args.noise_floor else []), "",
              "| workload | no spec tok/s | MTP tok/s | MTP / no spec | per round | warm-up round | "
              "ITL p50 no spec / MTP (ms) | TTFT p50 no spec / MTP (ms) | MTP acceptance length | "
              "MTP steps by k chosen (mean share) | failed |",
@@ -160,10 +165,12 @@ def main() -> None:
                      f"{chosen_k(r[key]['chosen_k'] for r in runs['mtp'])} | {failed} |")
     if args.baseline:
         lines += ["", f"The default (MTP) of `{args.baseline}` in the same turns, against the same no-spec server:", "",
-                  f"| workload | MTP@{args.baseline} tok/s | MTP@{args.baseline} / no spec | per round |",
-                  "|---|---:|---:|---|"]
+                  f"| workload | MTP@{args.baseline} tok/s | MTP@{args.baseline} / no spec | per round | "
+                  "acceptance length | steps by k chosen (mean share) |",
+                  "|---|---:|---:|---|---:|---|"]
         lines += [f"| {key} | {med(BASELINE, key, 'tok_s'):.1f} | {statistics.median(ratios(key, BASELINE)):.2f}x | "
-                  f"{' '.join(f'{r:.2f}' for r in ratios(key, BASELINE))} |" for key in keys]
+                  f"{' '.join(f'{r:.2f}' for r in ratios(key, BASELINE))} | {med(BASELINE, key, 'accept_len'):.2f} | "
+                  f"{chosen_k(r[key]['chosen_k'] for r in runs[BASELINE])} |" for key in keys]
     text = "\n".join(lines) + "\n"
     out = Path(args.out)
     before = out.read_text() if out.exists() else ""
