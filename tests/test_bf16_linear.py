@@ -10,7 +10,7 @@ from conftest import random_prompts
 
 from engine import LLM, SamplingParams
 from worker import model_loader
-from worker.models.linear import BF16_MAX_ROWS, Linear, bf16_linear_available
+from worker.models.linear import BF16_MAX_ROWS, Linear, bf16_linear_available, gemm_weight, native_bf16_cpu
 
 pytestmark = pytest.mark.skipif(not bf16_linear_available(), reason="no C++ compiler for the bf16 linear")
 
@@ -99,8 +99,9 @@ def test_fused_mtp_layer_matches_the_torch_layer(arch, query_lens, mtp_checkpoin
     """The MTP layer as one C++ op (mtp_layer) against the same layer op by op: the same hidden
     states and the same K/V written into the cache. The last row starts at position 0 (its token
     embedding zeroed); (3, 2) runs the bf16 weights, (5, 4, 6) -- more than BF16_MAX_ROWS tokens --
-    the fp32 ones. Qwen3 has q/k norms, Llama llama3 RoPE scaling, Qwen2 q/k/v biases. Writing
-    only the K/V (mtp_write_kv) writes the same ones."""
+    the GEMM ones: fp32, or on a CPU with native bf16 math bf16 with the inputs rounded to bf16 (to
+    within that rounding). Qwen3 has q/k norms, Llama llama3 RoPE scaling, Qwen2 q/k/v biases.
+    Writing only the K/V (mtp_write_kv) writes the same ones."""
     import numpy as np
 
     from worker.attention import AttentionContext, CacheWriter
@@ -129,8 +130,10 @@ def test_fused_mtp_layer_matches_the_torch_layer(arch, query_lens, mtp_checkpoin
             out = model.mtp_forward(0, hidden, ids, ctx.positions, ctx, has_position0=True)
             results.append((out, runner.kv_cache[-1].clone()))
     (fused_out, fused_kv), (torch_out, torch_kv) = results
-    torch.testing.assert_close(fused_out, torch_out, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(fused_kv, torch_kv, rtol=1e-5, atol=1e-5)
+    rounded = sum(query_lens) > BF16_MAX_ROWS and native_bf16_cpu()  # bf16 inputs: ~3 significant digits
+    tol = {"rtol": 5e-2, "atol": 5e-2} if rounded else {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(fused_out, torch_out, **tol)
+    torch.testing.assert_close(fused_kv, torch_kv, **(tol if rounded else {"rtol": 1e-5, "atol": 1e-5}))
     assert not torch.equal(fused_kv, before[-1])  # the step's K/V were written
     # The layer's K/V alone (positions no draft starts from): what the whole layer writes.
     runner.kv_cache.copy_(before)
@@ -224,8 +227,10 @@ def test_independent_fused_drafts_are_drawn_from_q(mtp_checkpoints, tmp_path):
                                     torch.zeros(rows, 4, dtype=torch.int32), 4, None,
                                     noise=torch.rand(rows, 1, 1, generator=g),
                                     inv_temp=torch.full((rows,), 1 / temperature), draft_probs=probs)
-        # (Both over more than BF16_MAX_ROWS rows: the head's fp32 weight, as the op uses for this many.)
-        logits = model.compute_draft_logits(h[: 2 * BF16_MAX_ROWS])[0, vocab_ids].float()
+        # (Both over more than BF16_MAX_ROWS rows: the head's GEMM weight, as the op uses for this many --
+        # bf16, with the input rounded to bf16, on a CPU with native bf16 math.)
+        head = gemm_weight(model.draft_head)
+        logits = F.linear(h[: 2 * BF16_MAX_ROWS].to(head.dtype), head)[0].float()
         reference = torch.softmax(logits / temperature, dim=-1)
     torch.testing.assert_close(probs[:, 0], reference.expand(rows, -1), rtol=1e-3, atol=1e-6)
     assert set(drafts.flatten().tolist()) <= set(vocab_ids.tolist())

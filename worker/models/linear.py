@@ -89,6 +89,14 @@ def bf16_linear_available() -> bool:
     return cpp_build.build("bf16_linear.cpp", BF16_CFLAGS, "bf16-weight linear")
 
 
+def gemm_weight(lin: Linear) -> torch.Tensor:
+    """The weight the fused MTP ops (worker/csrc/bf16_linear.cpp) multiply inputs of more than
+    BF16_MAX_ROWS rows by: a `keep_bf16` linear's bf16 copy where the CPU does bf16 math (oneDNN's
+    bf16 GEMM, AMX: from 9 rows it beats fp32 MKL, benchmarks/results/bf16_linear.txt), else its
+    fp32 weight."""
+    return lin.bf16 if lin.bf16 is not None and native_bf16_cpu() else lin.weight.detach()
+
+
 @functools.cache
 def native_bf16_cpu() -> bool:
     """The CPU does bf16 math in hardware (AVX512-BF16 or AMX), so oneDNN bf16 GEMMs are fast."""

@@ -12,7 +12,7 @@ from engine.config import ModelConfig
 from worker import fused_ops
 from worker.attention import CacheWriter
 from worker.models.layers import AttentionBackend, DecoderLayer, RMSNorm, RotaryEmbedding
-from worker.models.linear import BF16_MAX_ROWS, Linear
+from worker.models.linear import BF16_MAX_ROWS, Linear, gemm_weight
 from worker.models.mtp import MTPLayer
 
 
@@ -134,10 +134,10 @@ class CausalLM(nn.Module):
         vocab = self.draft_vocab if self.draft_vocab is not None else torch.empty(0, dtype=torch.long)
         return torch.ops.pdserve_bf16.mtp_draft(
             hidden.contiguous(), ints if pass_ids is None else pass_ids, ints if pass_len is None else pass_len,
-            last_pos, k, head.bf16, head.weight.detach(), vocab, floats if noise is None else noise,
+            last_pos, k, head.bf16, gemm_weight(head), vocab, floats if noise is None else noise,
             floats if inv_temp is None else inv_temp, floats if draft_probs is None else draft_probs,
             self.model.embed_tokens.weight, self.model.rotary_emb.cos_sin,
-            f.norms, f.weights, f.fp32_weights, f.biases, k_cache, v_cache, block_table, block_size, window or 0,
+            f.norms, f.weights, f.gemm_weights, f.biases, k_cache, v_cache, block_table, block_size, window or 0,
             f.num_heads, f.eps, BF16_MAX_ROWS)
 
     def mtp_forward(self, layer: int, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -15,13 +15,13 @@ from torch import nn
 from engine.config import ModelConfig
 from worker.attention import AttentionContext, CacheWriter
 from worker.models.layers import AttentionBackend, DecoderLayer, RMSNorm, RotaryEmbedding
-from worker.models.linear import BF16_MAX_ROWS, Linear
+from worker.models.linear import BF16_MAX_ROWS, Linear, gemm_weight
 
 
 class FusedWeights(NamedTuple):
     norms: list[torch.Tensor]          # hidden, token, input, post-attention, final[, q, k] norms (fp32)
     weights: list[torch.Tensor]        # input_proj, qkv, o, gate_up, down (bf16)
-    fp32_weights: list[torch.Tensor]   # the same in fp32, for inputs of more than BF16_MAX_ROWS rows
+    gemm_weights: list[torch.Tensor]   # the same for inputs of more than BF16_MAX_ROWS rows (see gemm_weight)
     biases: list[torch.Tensor | None]
     num_heads: int
     eps: float
@@ -47,7 +47,7 @@ class MTPLayer(DecoderLayer):
         norms = [self.hidden_layernorm, self.token_layernorm, self.input_layernorm, self.post_attention_layernorm,
                  self.final_layernorm] + ([attn.q_norm, attn.k_norm] if attn.qk_norm else [])
         self.fused = FusedWeights([n.weight.detach().float().contiguous() for n in norms],
-                                  [lin.bf16 for lin in linears], [lin.weight.detach() for lin in linears],
+                                  [lin.bf16 for lin in linears], [gemm_weight(lin) for lin in linears],
                                   [lin.bias for lin in linears], attn.num_heads, self.input_layernorm.eps)
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
@@ -61,7 +61,7 @@ class MTPLayer(DecoderLayer):
                 f = self.fused
                 out = torch.ops.pdserve_bf16.mtp_layer(
                     hidden.contiguous(), input_ids.to(torch.int32), positions, embed.weight, rope.cos_sin, f.norms,
-                    f.weights, f.fp32_weights, f.biases, *paged, f.num_heads, f.eps, has_position0, BF16_MAX_ROWS)
+                    f.weights, f.gemm_weights, f.biases, *paged, f.num_heads, f.eps, has_position0, BF16_MAX_ROWS)
                 if attn.tap is not None:
                     attn.tap(self.self_attn.layer_idx)
                 return out
