@@ -131,7 +131,7 @@ def test_fused_mtp_layer_matches_the_torch_layer(arch, query_lens, mtp_checkpoin
             results.append((out, runner.kv_cache[-1].clone()))
     (fused_out, fused_kv), (torch_out, torch_kv) = results
     rounded = sum(query_lens) > BF16_MAX_ROWS and native_bf16_cpu()  # bf16 inputs: ~3 significant digits
-    tol = {"rtol": 5e-2, "atol": 5e-2} if rounded else {"rtol": 1e-4, "atol": 1e-4}
+    tol = {"rtol": 2e-2, "atol": 2e-2} if rounded else {"rtol": 1e-4, "atol": 1e-4}
     torch.testing.assert_close(fused_out, torch_out, **tol)
     torch.testing.assert_close(fused_kv, torch_kv, **(tol if rounded else {"rtol": 1e-5, "atol": 1e-5}))
     assert not torch.equal(fused_kv, before[-1])  # the step's K/V were written
