@@ -9,7 +9,7 @@ between steps. Greedy and sampling steps keep separate tables: sampling (softmax
 own distribution, keyed noise) makes a verify step cost more than argmax does. The policy picks
 the k that maximises ``E(k) / C(b, k)`` (tokens per second;
 ``b`` cancels); a bucket the batch only passes through (draining, or filling up again after a wave
-of requests under load) is never measured -- it borrows its neighbours' timings. Ideas from vLLM's
+of requests under load) is never measured -- it interpolates its neighbours' timings. Ideas from vLLM's
 disable-by-batch-size and from goodput-based SmartSpec, but measured rather than configured:
 on a CPU a verify step's cost grows with its rows, so the best k depends on the batch.
 
