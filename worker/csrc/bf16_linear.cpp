@@ -250,8 +250,8 @@ struct Projection {
 // own consecutive tokens. norms: hidden_layernorm, token_layernorm, input_layernorm,
 // post_attention_layernorm, final_layernorm[, q_norm, k_norm]; weights (bf16) and gemm_weights (fp32
 // or bf16, see Projection, or empty tensors): input_proj, qkv_proj, o_proj, gate_up_proj, down_proj,
-// with their optional fp32 biases. Writes the layer's K/V into k_cache / v_cache ([slots, kv_heads, head_dim]) and returns
-// the final-normed hidden states [T, H].
+// with their optional fp32 biases. Writes the layer's K/V into k_cache / v_cache ([slots, kv_heads,
+// head_dim]) and returns the final-normed hidden states [T, H].
 at::Tensor mtp_layer(const at::Tensor& hidden, const at::Tensor& input_ids, const at::Tensor& positions,
                      const at::Tensor& embed, const at::Tensor& cos_sin, at::TensorList norms, at::TensorList weights,
                      at::TensorList gemm_weights, const c10::List<c10::optional<at::Tensor>>& biases,
@@ -274,7 +274,7 @@ at::Tensor mtp_layer(const at::Tensor& hidden, const at::Tensor& input_ids, cons
   const int64_t nkv = k_cache.size(1), D = k_cache.size(2), nh = num_heads, Q = nh * D, KV = nkv * D;
   TORCH_CHECK(norms.size() == 5 || norms.size() == 7, "mtp_layer: 5 norms, or 7 with q_norm and k_norm");
   TORCH_CHECK(weights.size() == 5 && gemm_weights.size() == 5 && biases.size() == 5,
-              "mtp_layer: 5 weights, 5 fp32 weights (or empty tensors) and 5 (optional) biases");
+              "mtp_layer: 5 weights, 5 GEMM weights (or empty tensors) and 5 (optional) biases");
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() && cos_sin.dim() == 4 &&
                   cos_sin.size(1) == 2 && cos_sin.size(3) == D,
               "mtp_layer: cos_sin must be the [positions, 2, 1, head_dim] float32 table");
@@ -385,8 +385,8 @@ at::Tensor mtp_layer(const at::Tensor& hidden, const at::Tensor& input_ids, cons
 // Drafts [R, k] (int32): draft 0 is the argmax of the draft head over `hidden` [R, H] (each
 // row's MTP hidden state at its last position, `last_pos`); draft i > 0 runs the layer once more at
 // position last_pos + i over (the previous hidden state, draft i - 1), one token per row, and takes
-// the argmax of its head. `head` [Vd, H] bf16 (head_gemm: its GEMM weight, see Projection, or empty) scores the
-// draft vocabulary, whose token ids are `vocab_ids` (int64 [Vd]; empty: the whole vocabulary).
+// the argmax of its head. `head` [Vd, H] bf16 (head_gemm: its GEMM weight, see Projection, or empty)
+// scores the draft vocabulary, whose token ids are `vocab_ids` (int64 [Vd]; empty: the whole vocabulary).
 // In Python each draft is ~10 torch ops and an attention context built on the host.
 //
 // With `noise` [R, k, V] (uniforms, V the whole vocabulary) the drafts are sampled instead, coupled
