@@ -136,7 +136,7 @@ class ModelRunner:
             drafts = self.drafter.propose(batch, hidden, accepted, k, self._draft_metadata)
             if k or not batch.steady:  # else nothing was verified or proposed: no buffer to update
                 self._store_drafts(batch, drafts)
-            self._time_step(batch, k, start)
+            self._time_step(batch, k, start, accepted)
         return RunnerOutput(batch.req_ids, accepted, drafts, logprobs, prompt_logprobs)
 
     # -- pieces --------------------------------------------------------------------------
@@ -395,7 +395,7 @@ class ModelRunner:
         pending = int(self.states.mtp_pending[batch.slots].sum()) if isinstance(self.drafter, MTPDrafter) else 0
         return self.spec_policy.choose(rows, pending, self._sampled_step)
 
-    def _time_step(self, batch: InputBatch, k: int, start: float) -> None:
+    def _time_step(self, batch: InputBatch, k: int, start: float, accepted: list[list[int]]) -> None:
         """Feed the cost model: steady-state decode steps only (every row verified k drafts and
         proposed k; no prefill chunk, no stash flush), plus the engine's time between steps."""
         end = time.perf_counter()
@@ -408,7 +408,8 @@ class ModelRunner:
         else:
             steady = batch.steady and not self.drafter.flushed
         if steady:
-            self.spec_policy.record_step(len(batch.slots), k, end - start, self._sampled_step)
+            self.spec_policy.record_step(len(batch.slots), k, end - start, self._sampled_step,
+                                         sum(len(a) for a in accepted))
 
     def _logprobs(self, logits: torch.Tensor, k: np.ndarray, slots: np.ndarray, rows: np.ndarray,
                   kept: list[list[int]], batch_size: int) -> list[list[TokenLogprobs]] | None:
