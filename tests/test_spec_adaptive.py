@@ -296,19 +296,6 @@ def test_drafting_that_delivers_fewer_tokens_per_second_than_not_drafting_stops(
     assert run(realized_steps=1 << 30)[-1000:].count(1) >= 700  # the estimates alone keep drafting
 
 
-def test_a_k_that_delivered_less_than_not_drafting_stops_every_k_at_its_bucket():
-    """The estimates favour k=1 now, but k=2, drafted here before on the same kind of estimates,
-    realized fewer tokens per second than a plain step: the bucket does not draft at all (a veto of
-    k=2 alone had k=1 drafted on estimates just as biased, until it too had realized its loss)."""
-    policy = SpecPolicy(2)
-    feed(policy, 16, [5.0, 6.0, 9.0], [0.7, 0.5], 300)  # by the estimates: k=1 1.7 / 1.2x, k=2 2.05 / 1.8x
-    assert policy.best_k(16) == 1
-    costs = policy.buckets[16, False]
-    for _ in range(policy.realized_steps):
-        costs.realized[2].add(costs.decisions, 2.05, 12e-3)  # 171 tokens/s a row against 200 for k=0
-    assert policy.best_k(16) == 0
-
-
 def test_a_k0_decision_on_a_few_unlucky_early_drafts_is_revisited_soon():
     """At batch 1 each measurement verifies a handful of drafts: if the first requests' drafts were
     mostly rejected, k=0 looks best, and acceptance is only observed while drafting. Until position 1

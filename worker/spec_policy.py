@@ -29,9 +29,9 @@ measured k already warms k up with one measurement of its own. Resuming drafting
 takes a wider margin, so that a decision near break-even does not flip with the noise and pay a backfill each time.
 
 The estimates decide when to draft; what drafting then delivers has the last word. A bucket keeps the
-tokens and seconds of its recent steady steps per k, and where some k's realized tokens per second over
-enough of them fall short of k=0's (realized too where there are enough plain steps, else estimated) the
-bucket does not draft. Paired ratios are taken a few steps at a time, and through a server whose other processes share
+tokens and seconds of its recent steady steps per k, and a k whose realized tokens per second over enough
+of them fall short of k=0's (realized too where there are enough plain steps, else estimated) is not
+chosen. Paired ratios are taken a few steps at a time, and through a server whose other processes share
 the cores they came out low (C(1)/C(0) 1.30-1.66 at 16 sampling rows, against 1.61-1.77 held offline),
 so that the policy drafted at break-even by chance; the realized rates are sums over dozens of steps of
 each, and include what the estimates model only indirectly (this workload's acceptance).
@@ -43,7 +43,6 @@ import logging
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from functools import partial
 
 logger = logging.getLogger(__name__)
 
@@ -561,14 +560,9 @@ class SpecPolicy:
         if rates[best] <= rates[0] * (self.margin + extra + self.doubt / evidence):
             return 0
         costs = self.buckets.get(bucket)
-        if costs is not None:
+        if costs is not None and (realized := self.realized_rate(costs, best)) is not None:
             # (A drafting regime times few plain steps: then k=0's estimate stands for them.)
-            plain = self.realized_rate(costs, 0) or rates[0]
-            # Any k that delivered less stops drafting here: the estimates that favoured it favour the
-            # others the same way (a server's paired ratios came out low for every k), and a veto of one k
-            # only had the next one drafted on them until it had realized as much (k=1 on 15-21% of load16
-            # T=1's steps once k=2 was vetoed, against 3-6% without the check).
-            if any(r is not None and r < plain for r in map(partial(self.realized_rate, costs), range(1, len(rates)))):
+            if realized < (self.realized_rate(costs, 0) or rates[0]):
                 return 0
         return best
 
