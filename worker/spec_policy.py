@@ -600,9 +600,6 @@ class SpecPolicy:
             ratios = " ".join(f"{r:.2f}" if (r := costs.ratio(k)) is not None else "-"
                               for k in range(1, self.num_spec + 1))
             kind = " sampled" if sampled else ""
-            realized = " ".join(f"{r:.0f}" if (r := self.realized_rate(costs, k)) is not None else "-"
-                                for k in range(self.num_spec + 1))
-            parts.append(f"b{bucket}{kind}: [{ms}] ms, C(k)/C(0) [{ratios}], realized tokens/s a row [{realized}] "
-                         f"-> k={self.best_k((bucket, sampled))} "
+            parts.append(f"b{bucket}{kind}: [{ms}] ms, C(k)/C(0) [{ratios}] -> k={self.best_k((bucket, sampled))} "
                          f"({costs.explorations} measurements in {costs.decisions} decisions)")
         return f"acceptance [{acc}]; " + "; ".join(parts)
