@@ -136,7 +136,7 @@ class ModelRunner:
             drafts = self.drafter.propose(batch, hidden, accepted, k, self._draft_metadata)
             if k or not batch.steady:  # else nothing was verified or proposed: no buffer to update
                 self._store_drafts(batch, drafts)
-            self._time_step(batch, k, start, accepted)
+            self._time_step(batch, k, start)
         return RunnerOutput(batch.req_ids, accepted, drafts, logprobs, prompt_logprobs)
 
     # -- pieces --------------------------------------------------------------------------
@@ -395,7 +395,7 @@ class ModelRunner:
         pending = int(self.states.mtp_pending[batch.slots].sum()) if isinstance(self.drafter, MTPDrafter) else 0
         return self.spec_policy.choose(rows, pending, self._sampled_step)
 
-    def _time_step(self, batch: InputBatch, k: int, start: float, accepted: list[list[int]]) -> None:
+    def _time_step(self, batch: InputBatch, k: int, start: float) -> None:
         """Feed the cost model: steady-state decode steps only (every row verified k drafts and
         proposed k; no prefill chunk, no stash flush), plus the engine's time between steps."""
         end = time.perf_counter()
@@ -408,8 +408,7 @@ class ModelRunner:
         else:
             steady = batch.steady and not self.drafter.flushed
         if steady:
-            self.spec_policy.record_step(len(batch.slots), k, end - start, self._sampled_step,
-                                         sum(len(a) for a in accepted))
+            self.spec_policy.record_step(len(batch.slots), k, end - start, self._sampled_step)
 
     def _logprobs(self, logits: torch.Tensor, k: np.ndarray, slots: np.ndarray, rows: np.ndarray,
                   kept: list[list[int]], batch_size: int) -> list[list[TokenLogprobs]] | None:

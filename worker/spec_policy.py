@@ -27,14 +27,6 @@ For the same reason re-measurements back off while they keep confirming the deci
 too -- waits for a moment with few skipped positions (new rows, a stash flush), and a bucket whose neighbour has
 measured k already warms k up with one measurement of its own. Resuming drafting while much backfill is pending
 takes a wider margin, so that a decision near break-even does not flip with the noise and pay a backfill each time.
-
-The estimates decide when to draft; what drafting then delivers has the last word. A bucket keeps the
-tokens and seconds of its recent steady steps per k, and a k whose realized tokens per second over enough
-of them fall short of k=0's (realized too where there are enough plain steps, else estimated) is not
-chosen. Paired ratios are taken a few steps at a time, and through a server whose other processes share
-the cores they came out low (C(1)/C(0) 1.30-1.66 at 16 sampling rows, against 1.61-1.77 held offline),
-so that the policy drafted at break-even by chance; the realized rates are sums over dozens of steps of
-each, and include what the estimates model only indirectly (this workload's acceptance).
 """
 from __future__ import annotations
 
@@ -110,29 +102,6 @@ class RecentMedian:
 
 
 @dataclass
-class Realized:
-    """A bucket's recent steady steps of one k: what their rows kept and what they took, summed as
-    they come and go (a decision reads them every step)."""
-
-    steps: deque = field(default_factory=deque)  # (decision counter, tokens a row, seconds)
-    tokens: float = 0.0
-    seconds: float = 0.0
-
-    def add(self, stamp: int, tokens: float, seconds: float) -> None:
-        self.steps.append((stamp, tokens, seconds))
-        self.tokens += tokens
-        self.seconds += seconds
-
-    def since(self, stamp: int) -> int:
-        """Forget the steps before `stamp`; returns how many are left."""
-        while self.steps and self.steps[0][0] < stamp:
-            _, tokens, seconds = self.steps.popleft()
-            self.tokens -= tokens
-            self.seconds -= seconds
-        return len(self.steps)
-
-
-@dataclass
 class BucketCosts:
     """Step seconds per k for one batch-size bucket."""
 
@@ -144,7 +113,6 @@ class BucketCosts:
 
     ratios: list[RecentMedian] = field(default_factory=list)  # per k: C(k) / C(0) from explorations
     visits: Ewma = field(default_factory=lambda: Ewma(0.0))   # decisions per visit (the batch staying here)
-    realized: list[Realized] = field(default_factory=list)    # per k (see SpecPolicy.realized_rate)
 
     def ratio(self, k: int) -> float | None:
         return self.ratios[k].value if self.ratios[k].count else None
@@ -208,8 +176,6 @@ class SpecPolicy:
     resume_margin: float = 0.1        # added to the margin while the rows have much backfill pending
     hold_decisions: int = 32          # a k=0 decision stands this many decisions (see Held)
     settle_steps: int = 2             # plain steps after drafting that run slower (see Exploration)
-    realized_window: int = 2048       # decisions of a bucket over which realized tokens/s are summed ...
-    realized_steps: int = 32          # ... once there are this many steady steps of a k and of k=0
     acceptance: list[Ewma] = field(default_factory=list)
     buckets: dict[BucketKey, BucketCosts] = field(default_factory=dict)
     # The engine's time between runner steps: the median of the last few, not a mean. On a decode engine
@@ -253,17 +219,11 @@ class SpecPolicy:
             est.value += alpha * (sum(seen) / n - est.value)
             est.count += n
 
-    def record_step(self, batch_size: int, k: int, seconds: float, sampled: bool = False,
-                    tokens: int | None = None) -> None:
+    def record_step(self, batch_size: int, k: int, seconds: float, sampled: bool = False) -> None:
         """A steady-state decode step: every row verified k drafts and proposed k for the next;
-        `sampled`: some row samples (else all are greedy); `tokens`: what its rows kept (for the
-        realized rates)."""
+        `sampled`: some row samples (else all are greedy)."""
         costs = self._bucket(batch_size, sampled)
         costs.steps[k].update(costs.decisions, seconds, batch_size)
-        # (The plain steps right after the one that verified the last drafts run slower for drafting's
-        # sake: not k=0's to carry.)
-        if tokens is not None and (k or self._clock - self._drafted_at > self.settle_steps + 1):
-            costs.realized[k].add(costs.decisions, tokens / batch_size, seconds)
         e = self._exploration
         if e is not None and e.bucket == (batch_bucket(batch_size), sampled) and k in (e.k, 0):
             (e.timed_k if k == e.k else e.timed_0).append((seconds, batch_size))
@@ -557,24 +517,7 @@ class SpecPolicy:
         # estimate rests on the acceptance of later positions and on noisier, costlier timings).
         best = min((k for k in range(1, best + 1) if rates[k] * self.margin >= rates[best]), default=best)
         evidence = self._nearest(bucket, lambda c: c.ratios[best].count or None) or 1
-        if rates[best] <= rates[0] * (self.margin + extra + self.doubt / evidence):
-            return 0
-        costs = self.buckets.get(bucket)
-        if costs is not None and (realized := self.realized_rate(costs, best)) is not None:
-            # (A drafting regime times few plain steps: then k=0's estimate stands for them.)
-            if realized < (self.realized_rate(costs, 0) or rates[0]):
-                return 0
-        return best
-
-    def realized_rate(self, costs: BucketCosts, k: int) -> float | None:
-        """Tokens a row per second (the time between steps included) over the bucket's recent steady
-        steps of k, or None with fewer than `realized_steps` of them in the last `realized_window`
-        decisions."""
-        realized = costs.realized[k]
-        n = realized.since(costs.decisions - self.realized_window)
-        if n < self.realized_steps:
-            return None
-        return realized.tokens / (realized.seconds + n * self.overhead.value)
+        return best if rates[best] > rates[0] * (self.margin + extra + self.doubt / evidence) else 0
 
     def _rates(self, estimates: list[float | None]) -> list[float]:
         """Expected tokens per second of each k (0.0 where its cost is unknown)."""
@@ -586,8 +529,7 @@ class SpecPolicy:
         costs = self.buckets.get(bucket)
         if costs is None:
             n = self.num_spec + 1
-            costs = BucketCosts([RecentMedian() for _ in range(n)], [0] * n, ratios=[RecentMedian() for _ in range(n)],
-                                realized=[Realized() for _ in range(n)])
+            costs = BucketCosts([RecentMedian() for _ in range(n)], [0] * n, ratios=[RecentMedian() for _ in range(n)])
             self.buckets[bucket] = costs
             self._order.clear()
         return costs
