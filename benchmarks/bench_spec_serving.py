@@ -4,18 +4,22 @@ Two workloads, each at temperature 0 and 1, measured with `pdserve bench` on the
 - `batch1`: one request at a time, in-domain prompts (8-line openings cut from the Python standard
   library, the bundled model's training domain), 96 new tokens;
 - `load16`: 16 concurrent streams of random prompts, ~256 in / 128 out.
-Both servers run side by side for the whole benchmark (an idle one takes ~2% of a core) and take
-turns workload by workload, the order alternating, so each pair of measurements is seconds apart:
-on this shared VM the speed moves by a third within a minute, and a fresh server per round left
-the same code 1.15x in one run and 1.44x in the next. The ratio is the median of the per-round
-ratios; tok/s are medians of rounds. The MTP server's policy keeps what it measured from round to
-round, as a long-running `make serve` does; a first, untimed round (`--warmup-rounds`) runs every
-workload once on every server, so that the timed rounds see the steady state (the policy's
-warm-up measurements, the prefix cache of the repeated prompts). The warm-up round's ratio is
-reported too: what a fresh server pays in its first minute. Writes `benchmarks/results/spec_serving.md`.
+Both servers run side by side (an idle one takes ~2% of a core) and take turns workload by workload,
+the order alternating, so each pair of measurements is seconds apart: on this shared VM the speed
+moves by a third within a minute. The ratio is the median of the per-round ratios; tok/s are
+medians of rounds. The MTP server's policy keeps what it measured from round to round, as a
+long-running `make serve` does; a first, untimed round (`--warmup-rounds`) runs every workload once
+on every server, so that the timed rounds see the steady state (the policy's warm-up measurements,
+the prefix cache of the repeated prompts). The warm-up round's ratio is reported too: what a fresh
+server pays in its first minute. Writes `benchmarks/results/spec_serving.md`.
 
-    python benchmarks/bench_spec_serving.py [--rounds 3] [--warmup-rounds 1] [--quick] [--workloads load16]
-                                            [--baseline REV] [--noise-floor]
+A server's speed also depends on its start: an A/A of one code in two slots of one run measured
+1.07x and 0.99x at load16, and one pair of servers is one draw of that. So the pair is started
+afresh `--lifetimes` times (the start order alternating), each time for the untimed and the timed
+rounds: the default, 6 lifetimes of 1 timed round, is 6 draws.
+
+    python benchmarks/bench_spec_serving.py [--lifetimes 6] [--rounds 1] [--warmup-rounds 1] [--quick]
+                                            [--workloads load16] [--baseline REV] [--noise-floor]
 
 `--baseline REV` also serves the default (MTP) of another commit, from a git worktree, turn by turn
 with the other two: a change to speculation measured against the code before it in the same minutes.
@@ -91,8 +95,10 @@ def chosen_k(per_round) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1, help="timed rounds per server lifetime")
     ap.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds first (reported apart)")
+    ap.add_argument("--lifetimes", type=int, default=6,
+                    help="start the servers afresh this many times, each time for --warmup-rounds + --rounds")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workloads", default="batch1,load16", help="which of batch1, load16")
     ap.add_argument("--baseline", help="a git revision whose default (MTP) server also runs")
@@ -109,29 +115,36 @@ def main() -> None:
         tree = work / "baseline"
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.baseline], check=True)
         servers[BASELINE] = ([], tree)
+    names = list(servers)
+    warmup, rounds, lifetimes = (0, 1, 1) if args.quick else (args.warmup_rounds, args.rounds, args.lifetimes)
+    # Per server: the rounds of each lifetime, untimed (warm) and timed.
+    warm: dict[str, list[dict[str, dict[str, float]]]] = {s: [] for s in servers}
     runs: dict[str, list[dict[str, dict[str, float]]]] = {s: [] for s in servers}
-    procs = {}
     try:
-        for server, (flags, repo) in servers.items():  # one at a time: engines tune their kernels as they start
-            procs[server] = start(flags, work / f"{server}.log", repo)
-            wait_healthy(*procs[server])
-        names = list(servers)
-        warmup = 0 if args.quick else args.warmup_rounds
-        for i in range(1 if args.quick else warmup + args.rounds):
-            for server in servers:
-                runs[server].append({})
-            for j, (name, flags) in enumerate(loads.items()):
-                for t, temp in enumerate((0.0, 1.0)):
-                    turn = (i + j + t) % len(names)  # who goes first rotates
-                    for server in names[turn:] + names[:turn]:
-                        runs[server][-1][f"{name} T={temp:g}"] = run_load(procs[server][1], flags, temp, warm_up=i == 0)
+        for life in range(lifetimes):
+            # One at a time (engines tune their kernels as they start), the order rotating by lifetime.
+            procs = {}
+            for server in names[life % len(names):] + names[: life % len(names)]:
+                flags, repo = servers[server]
+                procs[server] = start(flags, work / f"{server}.log", repo)
+                wait_healthy(*procs[server])
+            try:
+                for i in range(warmup + rounds):
+                    into = warm if i < warmup else runs
+                    for server in servers:
+                        into[server].append({})
+                    for j, (name, flags) in enumerate(loads.items()):
+                        for t, temp in enumerate((0.0, 1.0)):
+                            turn = (life + i + j + t) % len(names)  # who goes first rotates
+                            for server in names[turn:] + names[:turn]:
+                                into[server][-1][f"{name} T={temp:g}"] = run_load(procs[server][1], flags, temp,
+                                                                                   warm_up=i == 0)
+            finally:
+                for proc, _ in procs.values():
+                    stop_process_group(proc)
     finally:
-        for proc, _ in procs.values():
-            stop_process_group(proc)
         if args.baseline:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
-    warm = {server: r[:warmup] for server, r in runs.items()}
-    runs = {server: r[warmup:] for server, r in runs.items()}
     keys = list(runs["mtp"][0])
 
     def med(server: str, key: str, field: str) -> float:
@@ -145,10 +158,10 @@ def main() -> None:
     lines = [f"# MTP through the server (`benchmarks/bench_spec_serving.py`, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"{os.cpu_count()} cores; `pdserve serve` defaults (1 prefill + 1 decode engine) with and without "
-             f"`--speculative-method none`, both up for the whole run, taking turns workload by workload; "
-             f"{len(runs['mtp'])} timed round(s) after {warmup} untimed; MTP / no spec is the median of the "
-             f"per-round ratios.", *(["", "**Noise floor: the 'MTP' server runs without speculation too.**"]
-                                    if args.noise_floor else []), "",
+             f"`--speculative-method none`, taking turns workload by workload; {lifetimes} server lifetime(s) "
+             f"(the servers started afresh), each of {rounds} timed round(s) after {warmup} untimed; MTP / no spec "
+             f"is the median of the per-round ratios.",
+             *(["", "**Noise floor: the 'MTP' server runs without speculation too.**"] if args.noise_floor else []), "",
              "| workload | no spec tok/s | MTP tok/s | MTP / no spec | per round | warm-up round | "
              "ITL p50 no spec / MTP (ms) | TTFT p50 no spec / MTP (ms) | MTP acceptance length | "
              "MTP steps by k chosen (mean share) | failed |",
