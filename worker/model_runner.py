@@ -87,6 +87,8 @@ class ModelRunner:
                                      GrammarCompiler(config.model, model_cfg.vocab_size, model_cfg.eos_token_ids))
         self.drafter: MTPDrafter | NgramDrafter | None = None
         if config.speculative_method == "mtp":
+            if self.device.type == "cpu":  # the row counts of drafting at up to ~16 rows
+                self.model.warm_up_draft_gemms(max_rows=16 * (1 + self.num_spec))
             self.drafter = MTPDrafter(self.model, self.states, self.kv_views, self.block_size, self.num_spec,
                                       self.device, self.sampler, model_cfg.sliding_window, grammar=self.grammar,
                                       window=config.mtp_window or None)
