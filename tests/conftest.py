@@ -45,6 +45,19 @@ def make_checkpoint(arch: str, path: Path, vocab_size: int = 384, seed: int = 0)
     return path
 
 
+def make_small_vocab_checkpoint(path: Path, seed: int) -> Path:
+    """A one-layer Qwen2 over 6 tokens with large weights: next-token distributions spread over
+    several tokens, so that a few thousand draws test them statistically."""
+    import transformers
+
+    cfg = transformers.Qwen2Config(vocab_size=6, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                   initializer_range=0.5, eos_token_id=None, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")

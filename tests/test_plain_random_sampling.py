@@ -8,6 +8,7 @@ import collections
 import numpy as np
 import pytest
 import torch
+from conftest import make_small_vocab_checkpoint
 from distributions import assert_matches_distribution, reference_probs
 
 from engine import LLM, SamplingParams
@@ -18,15 +19,7 @@ PROMPT = [1, 2, 3]
 
 @pytest.fixture(scope="module")
 def small_vocab_model(tmp_path_factory):
-    import transformers
-
-    cfg = transformers.Qwen2Config(vocab_size=6, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                                   initializer_range=0.5, eos_token_id=None, tie_word_embeddings=True)
-    torch.manual_seed(5)
-    path = tmp_path_factory.mktemp("smallvocab_plain")
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return path
+    return make_small_vocab_checkpoint(tmp_path_factory.mktemp("smallvocab_plain"), seed=5)
 
 
 def test_plain_temperature_decode_steps_follow_the_distribution(small_vocab_model, monkeypatch):

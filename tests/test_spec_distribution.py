@@ -10,7 +10,7 @@ import collections
 import json
 
 import pytest
-from conftest import add_mtp_layer
+from conftest import add_mtp_layer, make_small_vocab_checkpoint
 from scipy.stats import chi2_contingency
 
 from engine import LLM, SamplingParams
@@ -20,16 +20,7 @@ N = 2500
 
 @pytest.fixture(scope="module")
 def small_vocab_model(tmp_path_factory):
-    import torch
-    import transformers
-
-    cfg = transformers.Qwen2Config(vocab_size=6, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                                   initializer_range=0.5, eos_token_id=None, tie_word_embeddings=True)
-    torch.manual_seed(3)
-    path = tmp_path_factory.mktemp("smallvocab")
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return add_mtp_layer(path, seed=6, std=0.5)
+    return add_mtp_layer(make_small_vocab_checkpoint(tmp_path_factory.mktemp("smallvocab"), seed=3), seed=6, std=0.5)
 
 
 def sample_counts(model, spec: bool, top_p: float, draft_vocab: str = "auto",
