@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,9 +251,10 @@ class ClusterKey:
         """Before connect: a CURVE client that proves it holds the cluster key and checks the server does."""
         sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = self.public, self.public, self.secret
 
-    def authenticator(self, ctx: Any) -> Any:
+    def authenticator(self, ctx: Any, on_refused: Callable[[str, str], None] | None = None) -> Any:
         """Start the ZAP handler of `ctx` (threaded, or asyncio for a zmq.asyncio context): CURVE
-        clients with any key but the cluster's are refused. Call its stop() before closing `ctx`."""
+        clients with any key but the cluster's are refused, and `on_refused(peer address, why)` is
+        told of each. Call its stop() before closing `ctx`."""
         import zmq.asyncio
         from zmq.auth.asyncio import AsyncioAuthenticator
         from zmq.auth.thread import ThreadAuthenticator
@@ -260,12 +262,25 @@ class ClusterKey:
         public = self.public
 
         class _OnlyTheClusterKey:
+            peer = ""  # the address of the request being decided (ZAP requests are handled one at a time)
+
             def callback(self, domain: str, key: bytes) -> bool:
+                if key != public and on_refused is not None:
+                    on_refused(self.peer, "its cluster key is not this cluster's")
                 return key == public
 
+        provider = _OnlyTheClusterKey()
         auth = (AsyncioAuthenticator if isinstance(ctx, zmq.asyncio.Context) else ThreadAuthenticator)(ctx)
         auth.start()
-        auth.configure_curve_callback("*", credentials_provider=_OnlyTheClusterKey())
+        auth.configure_curve_callback("*", credentials_provider=provider)
+        handler = auth.thread.authenticator if isinstance(auth, ThreadAuthenticator) else auth
+        decide = handler.handle_zap_message
+
+        async def note_peer(message: list[bytes]) -> None:  # a ZAP request: [version, id, domain, address, ...]
+            provider.peer = message[3].decode(errors="replace") if len(message) > 3 else ""
+            await decide(message)
+
+        handler.handle_zap_message = note_peer
         return auth
 
 

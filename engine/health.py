@@ -1,10 +1,12 @@
 """A tiny HTTP health endpoint for one engine process (`--health-port`).
 
 Engines speak only ZMQ, but container orchestrators probe over HTTP. This serves
-`GET /health` from a daemon thread: 200 while the engine loop has turned recently
-(`EngineProcess.last_tick` fresher than `max_stall_s`), 503 while the engine is still
-loading its model, has stopped, or is stuck. Nothing here touches the engine's state
-beyond reading one float, so the probe can never slow down or break the loop.
+`GET /health` from a daemon thread, from the engine's LoopWatch (engine/loop_watch.py): 200 while
+the loop turns or runs a step (a step of any length is work: "busy", or "stalled" once far longer
+than the engine's own recent steps, still 200 since an orchestrator that restarts it loses that
+work), 503 while the engine is still loading its model, is leaving, or its loop stopped turning
+outside any step for `max_stall_s`. Nothing here touches the engine's state beyond reading the
+watch, so the probe can never slow down or break the loop.
 """
 from __future__ import annotations
 
@@ -15,15 +17,17 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Protocol
 
+from engine.loop_watch import LoopState, LoopWatch
+
 logger = logging.getLogger(__name__)
 
-# The loop ticks every 20 ms when idle and once per step when busy. A CPU step of a large
-# batch can take a second or two, so "stuck" means several seconds without a tick.
+# Between steps the loop ticks at least every 20 ms (its idle poll), so several seconds without a
+# tick outside a step means the loop itself is stuck.
 DEFAULT_MAX_STALL_S = 5.0
 
 
-class _Ticking(Protocol):
-    last_tick: float
+class _Watched(Protocol):
+    watch: LoopWatch
     stopping: bool
 
 
@@ -32,7 +36,7 @@ class HealthServer:
 
     def __init__(self, port: int, host: str = "0.0.0.0", max_stall_s: float = DEFAULT_MAX_STALL_S,
                  role: str = "", name: str = "") -> None:
-        self.engine: _Ticking | None = None
+        self.engine: _Watched | None = None
         self.max_stall_s = max_stall_s
         self.role, self.name = role, name
         health = self
@@ -67,7 +71,7 @@ class HealthServer:
         logger.info("health endpoint on port %d", self.port)
         return self
 
-    def attach(self, engine: _Ticking) -> None:
+    def attach(self, engine: _Watched) -> None:
         """Called once the engine exists (the model is loaded and the loop is about to run)."""
         self.engine = engine
 
@@ -79,10 +83,15 @@ class HealthServer:
             return 503, {"status": "starting", **info}
         if engine.stopping:
             return 503, {"status": "stopping", **info}
-        age = time.monotonic() - engine.last_tick
-        if age > self.max_stall_s:
-            return 503, {"status": "stalled", "seconds_since_tick": round(age, 3), **info}
-        return 200, {"status": "ok", "seconds_since_tick": round(age, 3), **info}
+        watch, now = engine.watch, time.monotonic()
+        state, age = watch.state(now), now - watch.last_tick
+        if state in (LoopState.STARTING, LoopState.DRAINING):
+            return 503, {"status": str(state), **info}
+        busy = watch.busy_s(now)
+        if not busy and age > self.max_stall_s:
+            return 503, {"status": "stuck", "seconds_since_tick": round(age, 3), **info}
+        return 200, {"status": str(state), "seconds_since_tick": round(age, 3), "step_running_s": round(busy, 3),
+                     **info}
 
     def stop(self) -> None:
         self.httpd.shutdown()

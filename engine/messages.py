@@ -53,6 +53,19 @@ class Heartbeat(msgspec.Struct, tag=True):
     num_waiting: int
     counters: dict[str, float]                          # monotonically increasing, by metric name
     per_position: dict[str, list[float]] = {}           # counters with one value per draft position
+    # Liveness, sent by the engine's heartbeat thread whatever its loop is doing (engine/loop_watch.py):
+    state: str = "ok"                  # a LoopState: starting | ok | busy | stalled | draining
+    busy_s: float = 0.0                # how long the step in progress has been running (0: between steps)
+    step_p99_s: float = 0.0            # p99 of the engine's recent step durations
+    stall_after_s: float = 0.0         # a step longer than this is reported as stalled
+
+
+class Leaving(msgspec.Struct, tag=True):
+    """An engine is going away (SIGTERM): route nothing more to it. Its requests come back as
+    retryable errors right after this message, so the front end resumes them elsewhere at once."""
+
+    instance: str
+    reason: str
 
 
 class _SubmitId(msgspec.Struct, tag="Submit"):
@@ -62,7 +75,7 @@ class _SubmitId(msgspec.Struct, tag="Submit"):
 
 
 ToEngine = Submit | Abort | Shutdown
-FromEngine = Output | Heartbeat
+FromEngine = Output | Heartbeat | Leaving
 
 _enc = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

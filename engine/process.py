@@ -1,8 +1,9 @@
 """The main loop of one engine process, whatever its role (colocated, prefill or decode).
 
 Each iteration reads like the design: receive (requests and aborts from the server, KV that
-landed) -> one engine step (schedule -> execute -> update) -> send (tokens to the server) ->
-heartbeat. What differs between roles is the KV connector, chosen once in `__init__`: the loop
+landed) -> one engine step (schedule -> execute -> update) -> send (tokens to the server). The
+heartbeat is not part of it: a thread of the link sends it (engine/link.py), whatever the step costs.
+What differs between roles is the KV connector, chosen once in `__init__`: the loop
 itself has no role branches.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +23,8 @@ import zmq
 from engine import messages as msg
 from engine.config import ClusterKey, EngineConfig, KVTransferConfig
 from engine.core import EngineCore
+from engine.link import HEARTBEAT_S, FrontEndLink
+from engine.loop_watch import LoopWatch
 from engine.types import EngineRole, FinishReason
 from kv_transfer.connector import get_kv_connector
 from kv_transfer.handshake import compat_description
@@ -28,15 +32,16 @@ from scheduler.scheduler import RequestUpdate
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_S = 0.2
 IDLE_POLL_MS = 20
+EXIT_NOT_REGISTERED = 3  # the front end never accepted this engine (see engine/link.py)
 
 
 class EngineProcess:
     def __init__(self, role: EngineRole | str, config: EngineConfig, name: str, server_addr: str,
-                 cluster_key: ClusterKey | None = None, **kv) -> None:
+                 cluster_key: ClusterKey | None = None, register_timeout_s: float = 60.0, **kv) -> None:
         """`kv`: the KVTransferConfig fields with a `kv_` prefix (kv_addr, kv_lease_s, ...).
-        `cluster_key` (default: from PDSERVE_CLUSTER_KEY[_FILE]) secures the link and the KV sockets."""
+        `cluster_key` (default: from PDSERVE_CLUSTER_KEY[_FILE]) secures the link and the KV sockets.
+        `register_timeout_s`: exit (non-zero) when the front end never accepts our handshake by then."""
         try:
             self.role = EngineRole(role)
         except ValueError:
@@ -44,16 +49,7 @@ class EngineProcess:
         self.name = name
         self.core = EngineCore(dataclasses.replace(config, instance_name=name))
         self.zmq = zmq.Context()
-        # One DEALER to the front end's ROUTER, identified by our name: requests come in, tokens and
-        # heartbeats go out. Engines connect to the front end, so it discovers them by their heartbeats
-        # (any number, on any host, coming and going) and needs no list of addresses.
-        self.link = self.zmq.socket(zmq.DEALER)
-        self.link.setsockopt(zmq.IDENTITY, name.encode())
-        self.link.setsockopt(zmq.LINGER, 0)
         cluster_key = cluster_key or ClusterKey.from_env()
-        if cluster_key is not None:
-            cluster_key.secure_client(self.link)
-        self.link.connect(server_addr)
         runner = self.core.runner
         compat = compat_description(config, self.core.model_config, runner.num_kv_layers)
         kv_config = KVTransferConfig(**{k.removeprefix("kv_"): v for k, v in kv.items()})
@@ -61,14 +57,20 @@ class EngineProcess:
                                           self.core.block_manager.free_blocks, kv_config, cluster_key)
         self.core.set_kv_connector(self.connector)
         self.stopping = False
+        self.failed: str | None = None   # why the loop gave up (the process then exits non-zero)
         self.busy_loop_s = 0.0
-        self.last_heartbeat = 0.0
-        self.last_tick = time.monotonic()
+        self.watch = LoopWatch()
+        self._status = self._engine_status()
+        self._status_at = time.monotonic()
         # Fault-injection knob for tests and drills: slow every step down (seconds).
         self.step_delay = float(os.environ.get("PDSERVE_DEBUG_STEP_DELAY", "0"))
         self.fault_exit = FaultExitOnPrompt.from_env()
+        # The link to the front end runs in a thread of its own (engine/link.py): it heart-beats
+        # while a step runs, and the loop never blocks on the front end. Engines connect to the
+        # front end, so it discovers them by their heartbeats and needs no list of addresses.
+        self.link = FrontEndLink(self.zmq, server_addr, name, cluster_key, self._heartbeat, register_timeout_s)
         endpoint = self.connector.kv_endpoint
-        logger.info("%s engine %s connected to %s%s", role, name, server_addr,
+        logger.info("%s engine %s connecting to %s%s", role, name, server_addr,
                     f", KV port {endpoint}" if endpoint else "")
 
     # -- main loop -----------------------------------------------------------------------
@@ -77,11 +79,15 @@ class EngineProcess:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         poller = zmq.Poller()
-        poller.register(self.link, zmq.POLLIN)
+        poller.register(self.link.pipe, zmq.POLLIN)
         try:
             while not self.stopping:
-                self.last_tick = time.monotonic()  # liveness: the loop is turning
+                self.failed = self.link.failed
+                if self.failed:
+                    break
+                self.watch.tick()                      # liveness: the loop is turning
                 self._wait_for_input(poller)
+                self.watch.begin()
                 start, steps = time.perf_counter(), self.core.step_times.steps
                 self._receive()                        # requests and aborts from the server
                 updates = self.core.receive_kv()       # KV transfers that landed or failed
@@ -89,9 +95,12 @@ class EngineProcess:
                     time.sleep(self.step_delay)
                 updates += self.core.step()            # schedule -> execute -> update
                 self._send_updates(updates)            # tokens and errors to the server
-                self._heartbeat()
-                if self.core.step_times.steps != steps:  # a turn that ran the model: what it cost in all
+                ran_model = self.core.step_times.steps != steps
+                self.watch.end(ran_model)
+                if ran_model:  # a turn that ran the model: what it cost in all
                     self.busy_loop_s += time.perf_counter() - start
+                self._refresh_status()
+            self._leave()
         finally:
             self.close()
 
@@ -103,14 +112,21 @@ class EngineProcess:
                 poller.register(sock, zmq.POLLIN)
         poller.poll(0 if self.core.has_unfinished() else IDLE_POLL_MS)
 
+    def _leave(self) -> None:
+        """SIGTERM (or Shutdown): tell the front end first, so that it routes nothing more here and
+        resumes what this engine holds elsewhere at once; the requests end here with the process."""
+        if self.failed:
+            return
+        self.watch.draining = True
+        held = list(self.core.scheduler.requests)
+        self.link.send(msg.Leaving(self.name, f"shutting down with {len(held)} request(s) in flight"))
+        logger.info("%s engine %s leaving: %d request(s) handed back to the front end", self.role, self.name,
+                    len(held))
+
     # -- receive -------------------------------------------------------------------------
 
     def _receive(self) -> None:
-        while True:
-            try:
-                data = self.link.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        while (data := self.link.recv()) is not None:
             try:
                 message = msg.decode_to_engine(data)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -151,14 +167,25 @@ class EngineProcess:
                                   u.error, u.retryable, u.queue_time, u.transfer_id, u.prompt_logprobs,
                                   u.num_cached_tokens))
 
-    def _emit(self, message: msg.Output | msg.Heartbeat) -> None:
-        self.link.send(msg.encode(message))
+    def _emit(self, message: msg.Output) -> None:
+        self.link.send(message)
 
-    def _heartbeat(self) -> None:
+    # -- heartbeat -----------------------------------------------------------------------
+
+    def _refresh_status(self) -> None:
+        """The engine's state for the heartbeat, taken between steps (the heartbeat thread must not
+        read the scheduler while the loop changes it)."""
         now = time.monotonic()
-        if now - self.last_heartbeat < HEARTBEAT_S:
-            return
-        self.last_heartbeat = now
+        if now - self._status_at >= HEARTBEAT_S:
+            self._status, self._status_at = self._engine_status(), now
+
+    def _heartbeat(self) -> msg.Heartbeat:
+        """Called by the link's thread: the last status, with the loop's liveness as of now."""
+        status, watch = self._status, self.watch
+        return msgspec.structs.replace(status, state=watch.state(), busy_s=watch.busy_s(),
+                                       step_p99_s=watch.step_p99_s(), stall_after_s=watch.stall_after_s())
+
+    def _engine_status(self) -> msg.Heartbeat:
         stats = self.core.stats()
         spec = self.core.scheduler.spec_stats
         counters = {"num_preemptions_total": float(stats.num_preemptions),
@@ -172,9 +199,8 @@ class EngineProcess:
             per_position["spec_decode_num_steps_by_k_total"] = [float(n) for n in chosen]
             if logger.isEnabledFor(logging.DEBUG):  # PDSERVE_LOG_LEVEL=DEBUG: the policy's cost tables
                 logger.debug("spec policy: %s", self.core.runner.spec_policy.summary())
-        self._emit(msg.Heartbeat(self.name, self.role, self.connector.kv_endpoint,
-                                 stats.kv_blocks_free, stats.kv_blocks_total, stats.num_running,
-                                 stats.num_waiting, counters, per_position))
+        return msg.Heartbeat(self.name, self.role, self.connector.kv_endpoint, stats.kv_blocks_free,
+                             stats.kv_blocks_total, stats.num_running, stats.num_waiting, counters, per_position)
 
     def _time_counters(self) -> dict[str, float]:
         """Where a step's time goes: the loop turn, the engine step inside it, the runner inside that."""
@@ -183,8 +209,8 @@ class EngineProcess:
                 "engine_step_seconds_total": times.step_s, "engine_forward_seconds_total": times.forward_s}
 
     def close(self) -> None:
+        self.link.close()
         self.connector.close()
-        self.link.close(0)
         self.zmq.term()
 
 
@@ -228,3 +254,7 @@ def run_engine_process(role: str, config: EngineConfig, name: str, server_addr: 
     if on_engine is not None:
         on_engine(engine)
     engine.run()
+    if engine.failed:
+        logger.error("%s engine %s: %s; exiting", role, name, engine.failed)
+        logging.shutdown()
+        sys.exit(EXIT_NOT_REGISTERED)

@@ -23,7 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.config import EngineConfig, KVTransferConfig, ModelConfig, default_max_model_len, default_model
+from engine.config import (
+    CLUSTER_KEY_FILE_ENV,
+    ClusterKey,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    default_max_model_len,
+    default_model,
+)
 from engine.types import EngineRole, KVTransferMode, ServeMode
 from server.allocator import engine_env, reexec_with_tcmalloc
 
@@ -139,14 +147,14 @@ def cmd_engine(args: argparse.Namespace) -> None:
         # Started before the model loads so probes get a clear 503 "starting" rather than a refused connection.
         health = HealthServer(args.health_port, role=args.command, name=name).start()
     run_engine_process(args.command, engine_config(args, args.command), name, args.server_addr,
-                       on_engine=health.attach if health else None,
+                       on_engine=health.attach if health else None, register_timeout_s=args.register_timeout_s,
                        kv_addr=args.kv_addr, kv_advertise=args.kv_advertise, kv_key=args.kv_key,
                        kv_lease_s=args.kv_lease_s, kv_deadline_s=args.kv_deadline_s,
                        kv_reserve_deadline_s=args.kv_reserve_deadline_s, kv_checksum=args.kv_checksum,
                        kv_mode=args.kv_transfer_mode, kv_layerwise_min_tokens=args.kv_layerwise_min_tokens)
 
 
-def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str) -> None:
+def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str, cluster_key: ClusterKey | None = None) -> None:
     import asyncio
 
     import uvicorn
@@ -160,7 +168,8 @@ def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str) -> None:
     max_model_len = args.max_model_len or default_max_model_len(model_cfg)
     client = RemoteEngineClient(bind_addr, mode, max_model_len, model_cfg.vocab_size, model_cfg.eos_token_ids,
                                 dead_after_s=args.dead_after_s, max_resumes=args.max_resumes,
-                                resume_wait_s=args.resume_wait_s, local_prefill_above=args.local_prefill_above)
+                                resume_wait_s=args.resume_wait_s, local_prefill_above=args.local_prefill_above,
+                                stall_dead_after_s=args.stall_dead_after_s, cluster_key=cluster_key)
     app = build_app(client, load_tokenizer(model), args.served_model_name or Path(model).name,
                     api_key=args.api_key or None)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
@@ -183,6 +192,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
     """Front end + engine children on one host, talking over ipc:// sockets in a private folder."""
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
     server_addr = f"ipc://{run_dir}/frontend"
+    # Without a cluster key of the user's, a fresh one for this run: only the processes started
+    # here hold it, so no other local process can register as an engine or pull KV.
+    cluster_key = ClusterKey.from_env()
+    env_key = {}
+    if cluster_key is None:
+        cluster_key = ClusterKey.generate()
+        key_file = run_dir / "cluster.key"
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(cluster_key.secret.decode() + "\n")
+        env_key = {CLUSTER_KEY_FILE_ENV: str(key_file)}
     colocated = args.mode == ServeMode.COLOCATED
     roles = ([(EngineRole.COLOCATED, 1)] if colocated
              else [(EngineRole.PREFILL, args.num_prefill), (EngineRole.DECODE, args.num_decode)])
@@ -194,7 +214,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     children: list[subprocess.Popen] = []
     # Engine health ports are for engines deployed one per container; here every child would
     # inherit the same port and all but one would fail to bind it. The front end's /health covers them.
-    env = engine_env({k: v for k, v in os.environ.items() if k != _env("--health-port")})
+    env = engine_env({k: v for k, v in os.environ.items() if k != _env("--health-port")} | env_key)
     cores = sorted(os.sched_getaffinity(0))
     for role, count in roles:
         for i in range(count):
@@ -229,11 +249,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     signal.signal(signal.SIGTERM, lambda *_: (shutdown(), sys.exit(0)))
     url = f"http://{args.host}:{args.port}"
-    print(f"pdserve: {args.mode} mode, {', '.join(f'{n} x {r}' for r, n in roles)}; serving on {url}\n"
+    print(f"pdserve: {args.mode} mode, {', '.join(f'{n} x {r}' for r, n in roles)}; serving on {url}; "
+          f"engines connect to {server_addr}" + (" with a fresh cluster key" if env_key else "") + "\n"
           f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, \"temperature\": 0}}'", flush=True)
     try:
-        run_front_end(args, server_addr, ServeMode.COLOCATED if colocated else ServeMode.PD)
+        run_front_end(args, server_addr, ServeMode.COLOCATED if colocated else ServeMode.PD, cluster_key)
     except KeyboardInterrupt:
         pass
     finally:
@@ -286,7 +307,10 @@ def add_front_end_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--port", int, 8000, "HTTP port")
     add_flag(p, "--api-key", str, "", "require Authorization: Bearer KEY on /v1/*")
     add_flag(p, "--served-model-name", str, None, "model name in the API (default: the folder name)")
-    add_flag(p, "--dead-after-s", float, 3.0, "declare an engine dead after this long without a heartbeat")
+    add_flag(p, "--dead-after-s", float, 3.0, "declare an engine dead after this long without a heartbeat (sent by a "
+             "thread of the engine every 0.2 s, whatever its step costs)")
+    add_flag(p, "--stall-dead-after-s", float, 900.0, "declare an engine dead when one of its steps has run this "
+             "long (a stall, far longer than its recent steps, is reported on /status and /metrics before that)")
     add_flag(p, "--max-resumes", int, 3, "failover: resume a request whose engine died mid-stream at most this "
              "many times (0: off; the stream then ends with an error)")
     add_flag(p, "--resume-wait-s", float, 20.0, "failover: wait this long for a live instance of a role a "
@@ -328,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "decode: fail a request (retryable) that got no KV blocks within this long")
         add_kv_payload_flags(p, "prefill: ", "prefill: checksum every KV payload (xxh3); decode verifies any it gets")
         add_flag(p, "--health-port", int, None, "serve GET /health on this port (0.0.0.0) for probes; off by default")
+        add_flag(p, "--register-timeout-s", float, 60.0, "exit (status 3) when the front end has not accepted this "
+                 "engine's handshake by then (no or wrong cluster key, wrong address); a front end lost later is "
+                 "waited for without limit")
         p.set_defaults(func=cmd_engine)
 
     server = sub.add_parser("server", help="the HTTP front end alone, for engines started elsewhere")

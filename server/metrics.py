@@ -61,6 +61,10 @@ class _InstanceCollector:
             "kv_cache_usage_perc": ("KV cache usage; 1 means 100 percent.",
                                     lambda i: 1.0 - i.kv_blocks_free / i.kv_blocks_total if i.kv_blocks_total else 0.0),
             "instance_ready": ("1 when the instance is ready to serve.", lambda i: 1.0 if i.ready else 0.0),
+            "instance_stalled": ("1 while the instance runs a step far longer than its recent ones.",
+                                 lambda i: 1.0 if i.state == "stalled" else 0.0),
+            "instance_step_running_seconds": ("How long the instance's step in progress has been running.",
+                                              lambda i: i.step_running_s),
         }
         for key, (doc, value) in gauges.items():
             family = GaugeMetricFamily(metric_name(key), doc, labels=["instance", "role"])
@@ -82,6 +86,10 @@ FRONT_END_COUNTERS = {
     "requests_retried_total": "Requests prefilled again after a failure before their first token.",
     "requests_failed_after_resume_total": "Resumed requests that still ended in an error.",
     "requests_prefilled_on_decode_total": "PD requests prefilled on their decode instance (prefill was queued up).",
+    "engine_connections_refused": "Connections to the engine socket refused at the handshake (cluster key).",
+    "engines_declared_dead_total": "Engines declared dead (no heartbeat for --dead-after-s, or stalled too long).",
+    "engine_stalls_total": "Times an engine was seen stalled (a step far longer than its recent ones).",
+    "pd_pair_breaker_trips_total": "Times a P->D pair was avoided after its KV transfers kept failing.",
 }
 
 
@@ -120,6 +128,9 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Request latency, arrival to finish.",
                              buckets=_E2E_BUCKETS, registry=r)
+        self.handoff = Histogram("pdserve:pd_handoff_seconds",
+                                 "PD: time from the prefill's first token to the decode's first tokens.",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("pdserve:request_queue_time_seconds",
                                     "Time a request waited before it was scheduled.", buckets=_E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens processed.", registry=r)

@@ -1,11 +1,13 @@
 """EngineClient over ZMQ: routes each request to engine processes (a P and a D, or one colocated).
 
-The front end binds one ROUTER socket. Every engine connects a DEALER to it under its instance
-name and heart-beats; that is how instances are discovered, on any host and in any number, and
-how dead ones drop out and come back. Routing: least outstanding requests per role, round-robin
-among ties. Failures end in a retry (fresh prefill on another P) or a clear error, never a hang.
+The front end binds one ROUTER socket, run with the engines' liveness by a thread of its own
+(server/engine_router.py). Every engine connects a DEALER to it under its instance name and
+heart-beats; that is how instances are discovered, on any host and in any number, and how dead
+ones drop out and come back. Routing: P and D each chosen on its own by load, pairs whose
+transfers keep failing avoided (server/placement.py). Failures end in a retry (fresh prefill on
+another P) or a clear error, never a hang.
 
-Failover (DESIGN.md §5): the front end keeps every token it streamed. When an instance holding a
+Failover (docs/architecture.md, failover): the front end keeps every token it streamed. When an instance holding a
 request dies (or fails it with a retryable error) after tokens reached the client, the request is
 resumed: prompt + streamed tokens go to a live P, which computes the KV of all but the last streamed
 token and hands that token to a live D as its t0, under a new transfer id; D continues at the next
@@ -16,37 +18,22 @@ of one request, so a request that crashes every D it lands on stops with a clear
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 
-import msgspec
-import zmq
-import zmq.asyncio
-
 from engine import messages as msg
-from engine.config import ClusterKey, check_bind
+from engine.config import ClusterKey
 from engine.types import EngineRole, FinishReason, SamplingParams, ServeMode
 from engine.validation import check_prompt
+from server.engine_router import Arrival, EngineRouter, EngineState, Instance
+from server.placement import Placement
 from server.protocol import EngineUnavailableError, GenerationChunk, InstanceInfo
 from server.timeline import Timeline
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Instance:
-    name: str
-    role: EngineRole
-    heartbeat: msg.Heartbeat | None = None
-    last_seen: float = 0.0
-    outstanding: set[str] = field(default_factory=set)
-
-    def alive(self, now: float, dead_after: float) -> bool:
-        return self.heartbeat is not None and now - self.last_seen < dead_after
 
 
 @dataclass
@@ -66,21 +53,29 @@ class Tracked:
     failure: str = ""                    # what the request is recovering from, for the final error
     transfer_id: str = ""         # this attempt's KV transfer, on P and D alike (new on every retry)
     next_index: int = 0           # outputs delivered so far
-    early: dict[int, msg.Output] = field(default_factory=dict)  # arrived ahead of their turn
+    early: dict[int, Arrival] = field(default_factory=dict)  # arrived ahead of their turn
+    first_from_prefill: float | None = None  # when P's t0 arrived, and D's first tokens: the hand-off
+    first_from_decode: float | None = None
 
 
 class RemoteEngineClient:
     def __init__(self, bind_addr: str, mode: ServeMode, max_model_len: int, vocab_size: int, eos_token_ids: list[int],
                  dead_after_s: float = 3.0, max_retries: int = 1, cluster_key: ClusterKey | None = None,
-                 max_resumes: int = 3, resume_wait_s: float = 20.0, local_prefill_above: int = 0) -> None:
+                 max_resumes: int = 3, resume_wait_s: float = 20.0, local_prefill_above: int = 0,
+                 stall_dead_after_s: float = 900.0, forget_after_s: float = 60.0) -> None:
         """`cluster_key` (default: from PDSERVE_CLUSTER_KEY[_FILE]) makes the engine socket CURVE-only.
         `max_retries`: fresh prefills of a request that failed before its first token reached the
         client; `max_resumes`: resumes of one that failed after (0 turns failover off);
         `resume_wait_s`: how long either waits for a live instance of the role it needs.
-        `local_prefill_above`: conditional disaggregation (0: off), see `_prefill_on_decode`."""
+        `local_prefill_above`: conditional disaggregation (0: off), see `_prefill_on_decode`.
+        `dead_after_s`: an engine silent this long is dead; `stall_dead_after_s`: one whose step has
+        run this long is too; `forget_after_s`: a dead one leaves /status after this long."""
         self.bind_addr = bind_addr
         self.cluster_key = cluster_key or ClusterKey.from_env()
-        self.refused_connections = 0  # handshakes refused on the engine socket (no or wrong cluster key)
+        self.router = EngineRouter(bind_addr, self.cluster_key, dead_after_s, stall_dead_after_s, self._on_outputs)
+        self.table: dict[str, Instance] = self.router.table
+        self.placement = Placement()
+        self.forget_after_s = forget_after_s
         self.mode = ServeMode(mode)
         self.max_model_len, self.vocab_size, self.eos_token_ids = max_model_len, vocab_size, eos_token_ids
         self.dead_after_s = dead_after_s
@@ -93,70 +88,32 @@ class RemoteEngineClient:
         self.num_failed_after_resume = 0    # resumed requests that still ended in an error
         self.resume_recovery_s: list[float] = []  # failure seen -> next token streamed, per resume (recent)
         self.redispatching: dict[str, Tracked] = {}  # failed requests waiting for a live instance
-        self.table: dict[str, Instance] = {}
         self.tracked: dict[str, Tracked] = {}
-        # One round-robin counter per role: a shared one advances once for P and once for D per request,
-        # so with 2 P and 1 D every prefill would land on the same P.
-        self._rr = {role: itertools.count() for role in EngineRole}
         self._tasks: list[asyncio.Task] = []
         self.timeline = Timeline()  # recent requests, for /status
 
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted engine takes its name back
-        self.router.setsockopt(zmq.SNDHWM, 100000)
-        check_bind(self.bind_addr, self.cluster_key, "front end")
-        self._tasks = []
-        self._auth = None
-        if self.cluster_key is not None:
-            self.cluster_key.secure_server(self.router)
-            self._auth = self.cluster_key.authenticator(self.ctx)
-            monitor = self.router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                                                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-            self._tasks.append(asyncio.create_task(self._count_refusals(monitor)))
-        else:
-            logger.warning("no cluster key (PDSERVE_CLUSTER_KEY_FILE): the engine socket %s takes any process "
-                           "that connects, so it may only listen on loopback or ipc", self.bind_addr)
-        self.router.bind(self.bind_addr)
-        self._tasks += [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_instances())]
+        self.router.start()
+        self._tasks = [asyncio.create_task(self._watch_instances())]
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        # Let the cancelled tasks finish (the monitor task closes its socket): term() waits for every socket.
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.cluster_key is not None:
-            self.router.disable_monitor()
-        if self._auth is not None:
-            self._auth.stop()
-        self.router.close(0)
-        self.ctx.term()
+        self.router.stop()
 
     def counters(self) -> dict[str, float]:
         """The front end's own counters, for /metrics."""
-        return {"engine_connections_refused": float(self.refused_connections),
+        return {"engine_connections_refused": float(self.router.refused_connections),
+                "engines_declared_dead_total": float(self.router.deaths),
+                "engine_stalls_total": float(self.router.stalls),
                 "requests_resumed_total": float(self.num_resumed),
                 "requests_retried_total": float(self.num_retried),
                 "requests_failed_after_resume_total": float(self.num_failed_after_resume),
-                "requests_prefilled_on_decode_total": float(self.num_local_prefills)}
-
-    async def _count_refusals(self, monitor: zmq.asyncio.Socket) -> None:
-        """Every failed CURVE handshake on the engine socket: a process without the cluster key."""
-        from zmq.utils.monitor import parse_monitor_message
-
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                self.refused_connections += 1
-                logger.warning("refused a connection to the engine socket (%s): no valid cluster key",
-                               event.get("endpoint", b"").decode(errors="replace"))
-        finally:
-            monitor.close(0)
+                "requests_prefilled_on_decode_total": float(self.num_local_prefills),
+                **self.placement.counters()}
 
     # -- EngineClient --------------------------------------------------------------------
 
@@ -192,35 +149,28 @@ class RemoteEngineClient:
         self._forget(tracked)
 
     def is_ready(self) -> bool:
-        now = time.monotonic()
-        roles = {i.role for i in self.table.values() if i.alive(now, self.dead_after_s)}
+        roles = {i.role for i in self.router.instances() if i.routable}
         if self.mode == ServeMode.PD:
             return {EngineRole.PREFILL, EngineRole.DECODE} <= roles
         return EngineRole.COLOCATED in roles
 
     def instances(self) -> list[InstanceInfo]:
-        now = time.monotonic()
         out = []
-        for inst in self.table.values():
+        for inst in self.router.instances():
             hb = inst.heartbeat
             out.append(InstanceInfo(
-                name=inst.name, role=inst.role, ready=inst.alive(now, self.dead_after_s),
+                name=inst.name, role=inst.role, ready=inst.routable, state=str(inst.state),
                 kv_blocks_free=hb.kv_blocks_free if hb else 0, kv_blocks_total=hb.kv_blocks_total if hb else 0,
                 num_running=hb.num_running if hb else 0, num_waiting=hb.num_waiting if hb else 0,
-                counters=dict(hb.counters) if hb else {}, per_position=dict(hb.per_position) if hb else {}))
+                counters=dict(hb.counters) if hb else {}, per_position=dict(hb.per_position) if hb else {},
+                step_running_s=hb.busy_s if hb else 0.0))
         return out
 
     # -- routing -------------------------------------------------------------------------
 
-    def _pick(self, role: EngineRole, exclude: Collection[str] = ()) -> Instance | None:
-        now = time.monotonic()
-        live = [i for i in self.table.values()
-                if i.role == role and i.alive(now, self.dead_after_s) and i.name not in exclude]
-        if not live:
-            return None
-        start = next(self._rr[role]) % len(live)
-        rotated = live[start:] + live[:start]
-        return min(rotated, key=lambda i: len(i.outstanding))
+    def _pick(self, role: EngineRole, exclude: Collection[str] = (), prefill: str | None = None) -> Instance | None:
+        candidates = [i for i in self.router.instances() if i.role == role]
+        return self.placement.pick(candidates, exclude, prefill)
 
     def _dispatch(self, tracked: Tracked, avoid: Collection[str] = ()) -> None:
         """Send the request (resumed from `tracked.streamed`, if any) to an instance of each role it
@@ -231,7 +181,8 @@ class RemoteEngineClient:
                 raise EngineUnavailableError("no engine instance is ready")
             return self._dispatch_to(tracked, inst, msg.Submit(tracked.req_id, tracked.prompt, tracked.params))
         p = self._pick(EngineRole.PREFILL, exclude=avoid) or self._pick(EngineRole.PREFILL)
-        d = self._pick(EngineRole.DECODE, exclude=avoid) or self._pick(EngineRole.DECODE)
+        pname = p.name if p is not None else None
+        d = self._pick(EngineRole.DECODE, avoid, pname) or self._pick(EngineRole.DECODE, prefill=pname)
         if p is None or d is None:
             raise EngineUnavailableError(f"no {'prefill' if p is None else 'decode'} instance is ready")
         tracked.transfer_id = uuid.uuid4().hex[:16]
@@ -240,10 +191,11 @@ class RemoteEngineClient:
             return self._dispatch_to(tracked, d, msg.Submit(tracked.req_id, tracked.prompt, tracked.params,
                                                             transfer_id=tracked.transfer_id))
         tracked.prefill, tracked.decode = p.name, d.name
+        self.placement.handed_off(p.name, d.name)
         p.outstanding.add(tracked.req_id)
         d.outstanding.add(tracked.req_id)
-        # Both at once under one id: D reserves while P prefills (DESIGN.md §1). The transfer id tells
-        # this attempt's KV from an older attempt's on both sides.
+        # Both at once under one id: D reserves while P prefills (docs/architecture.md, the hand-off).
+        # The transfer id tells this attempt's KV from an older attempt's on both sides.
         # A resumed request carries the tokens the client has: P computes the KV of all but the last
         # and hands that one over as t0; D continues after it (engine/request.py, num_handoff_tokens).
         tid, done = tracked.transfer_id, list(tracked.streamed)
@@ -283,7 +235,8 @@ class RemoteEngineClient:
         limit allows, else a clear error to the client."""
         for name in {tracked.prefill, tracked.decode} - {None}:
             self._send(name, msg.Abort(tracked.req_id, tracked.transfer_id))
-            self.table[name].outstanding.discard(tracked.req_id)
+            if (inst := self.table.get(name)) is not None:
+                inst.outstanding.discard(tracked.req_id)
         tracked.prefill = tracked.decode = None  # late outputs of this attempt are dropped from here on
         if self.mode != ServeMode.PD:
             return self._fail(tracked, reason)
@@ -325,10 +278,7 @@ class RemoteEngineClient:
         tracked.queue.put_nowait(GenerationChunk([], finish_reason=FinishReason.ERROR, error=reason))
 
     def _send(self, name: str, message: msg.ToEngine) -> None:
-        try:
-            self.router.send_multipart([name.encode(), msg.encode(message)], zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            logger.warning("could not send to %s: %s", name, e)
+        self.router.send(name, message)
 
     def _forget(self, tracked: Tracked) -> None:
         self.timeline.finished(tracked.req_id, FinishReason.ABORT)  # unless its stream already ended
@@ -336,33 +286,18 @@ class RemoteEngineClient:
             del self.tracked[tracked.req_id]
         if self.redispatching.get(tracked.req_id) is tracked:
             del self.redispatching[tracked.req_id]
-        for inst in self.table.values():
+        for inst in self.router.instances():
             inst.outstanding.discard(tracked.req_id)
 
     # -- background tasks ----------------------------------------------------------------
 
-    async def _read_outputs(self) -> None:
-        while True:
-            frames = await self.router.recv_multipart()
-            try:
-                identity, data = frames
-                message = msg.decode_from_engine(data)
-            except (ValueError, msgspec.DecodeError, msgspec.ValidationError):
-                logger.warning("dropping a malformed engine message")
-                continue
-            name = identity.decode(errors="replace")
-            inst = self.table.get(name)
-            if isinstance(message, msg.Heartbeat):
-                if inst is None or inst.role != message.role:
-                    logger.info("engine %s (%s) registered", name, message.role)
-                    inst = self.table[name] = Instance(name, message.role)
-                inst.heartbeat = message
-            if inst is not None:
-                inst.last_seen = time.monotonic()
-            if isinstance(message, msg.Output) and message.instance == name:
-                self._on_output(message)
+    def _on_outputs(self, arrivals: list[Arrival]) -> None:
+        """Outputs from the engines, as the router thread read them (called on the event loop)."""
+        for arrival in arrivals:
+            self._on_output(arrival)
 
-    def _on_output(self, out: msg.Output) -> None:
+    def _on_output(self, arrival: Arrival) -> None:
+        out = arrival.output
         tracked = self.tracked.get(out.req_id)
         if tracked is None or out.instance not in (tracked.prefill, tracked.decode):
             return  # a late message from an aborted attempt
@@ -370,16 +305,32 @@ class RemoteEngineClient:
             return  # from an older attempt on the same instance
         if out.finish_reason == FinishReason.ERROR and out.retryable:
             # A failed transfer: P's side or D's (no memory in time), so try other instances of both.
+            if tracked.prefill != tracked.decode and tracked.prefill and tracked.decode:
+                self.placement.transfer_failed(tracked.prefill, tracked.decode)
             self._recover(tracked, out.error or "KV transfer failed", {tracked.prefill, out.instance} - {None})
             return
+        self._note_handoff(tracked, arrival)
         if out.token_ids and out.first_index != tracked.next_index:
-            tracked.early[out.first_index] = out  # D's tokens can overtake t0 from P
+            tracked.early[out.first_index] = arrival  # D's tokens can overtake t0 from P
             return
-        self._deliver(tracked, out)
+        self._deliver(tracked, arrival)
         while tracked.next_index in tracked.early:
             self._deliver(tracked, tracked.early.pop(tracked.next_index))
 
-    def _deliver(self, tracked: Tracked, out: msg.Output) -> None:
+    def _note_handoff(self, tracked: Tracked, arrival: Arrival) -> None:
+        """When P's first token and D's first tokens arrived (PD only): the hand-off time."""
+        out = arrival.output
+        if not out.token_ids or tracked.prefill == tracked.decode:
+            return
+        if out.instance == tracked.prefill and tracked.first_from_prefill is None:
+            tracked.first_from_prefill = arrival.at
+        elif out.instance == tracked.decode and tracked.first_from_decode is None:
+            tracked.first_from_decode = arrival.at
+            if tracked.prefill:
+                self.placement.transfer_succeeded(tracked.prefill, tracked.decode)
+
+    def _deliver(self, tracked: Tracked, arrival: Arrival) -> None:
+        out = arrival.output
         tracked.next_index += len(out.token_ids)
         self.timeline.output(tracked.req_id, out.instance, len(out.token_ids))
         tracked.streamed.extend(out.token_ids)
@@ -387,7 +338,8 @@ class RemoteEngineClient:
             self._recovered(tracked)
         if out.instance == tracked.decode and tracked.decode != tracked.prefill and not tracked.decode_started:
             tracked.decode_started = True
-            self.table[tracked.prefill].outstanding.discard(tracked.req_id)
+            if (p := self.table.get(tracked.prefill)) is not None:
+                p.outstanding.discard(tracked.req_id)
         handoff = tracked.prefill != tracked.decode
         if out.finish_reason and self.mode == ServeMode.PD and handoff and out.instance == tracked.prefill:
             # Finished on P already (t0 was a stop, or an error): the D reservation is not needed.
@@ -400,7 +352,17 @@ class RemoteEngineClient:
             self.num_failed_after_resume += 1
         tracked.queue.put_nowait(GenerationChunk(list(out.token_ids), list(out.logprobs), out.finish_reason, out.error,
                                                  queue_time=out.queue_time, prompt_logprobs=out.prompt_logprobs,
-                                                 num_cached_tokens=out.num_cached_tokens))
+                                                 num_cached_tokens=out.num_cached_tokens,
+                                                 handoff_s=self._handoff_s(tracked)))
+
+    @staticmethod
+    def _handoff_s(tracked: Tracked) -> float | None:
+        """P's first token -> D's first tokens, once (on the first chunk after both arrived)."""
+        p, d = tracked.first_from_prefill, tracked.first_from_decode
+        if p is None or d is None:
+            return None
+        tracked.first_from_prefill = tracked.first_from_decode = None
+        return max(0.0, d - p)
 
     def _recovered(self, tracked: Tracked) -> None:
         """The first token after a retry or resume reached the client: how long the failure cost it."""
@@ -411,22 +373,24 @@ class RemoteEngineClient:
         logger.info("request %s: streaming again %.2f s after %s", tracked.req_id, took, tracked.failure)
 
     async def _watch_instances(self) -> None:
-        announced_dead: set[str] = set()
+        """Every quarter second: requests waiting for a live instance try again, requests held by
+        an instance that died or left fail over, and long-dead instances leave the table. Deaths
+        are judged by the router's thread, so this loop running late never causes one."""
         while True:
             await asyncio.sleep(0.25)
             for tracked in list(self.redispatching.values()):
                 self._redispatch(tracked)
             now = time.monotonic()
-            for name, inst in self.table.items():
-                if inst.heartbeat is None or inst.alive(now, self.dead_after_s):
-                    announced_dead.discard(name)
+            for inst in self.router.instances():
+                if inst.state not in (EngineState.DEAD, EngineState.LEFT):
                     continue
-                if name not in announced_dead:
-                    logger.error("engine %s stopped responding; failing over its requests", name)
-                    announced_dead.add(name)
                 for req_id in list(inst.outstanding):
                     tracked = self.tracked.get(req_id)
                     if tracked is None:
                         inst.outstanding.discard(req_id)
                         continue
-                    self._recover(tracked, f"{inst.role} instance {name} died", {name})
+                    what = "died" if inst.state == EngineState.DEAD else "left"
+                    self._recover(tracked, f"{inst.role} instance {inst.name} {what} ({inst.why})", {inst.name})
+                if not inst.outstanding and now - inst.since > self.forget_after_s:
+                    self.table.pop(inst.name, None)
+                    logger.info("engine %s forgotten after %g s %s", inst.name, self.forget_after_s, inst.state)

@@ -25,6 +25,8 @@ class GenerationChunk:
     # has none) and the prompt tokens the prefix cache served.
     prompt_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int | None = None
+    # PD: seconds from P's first token to D's first tokens reaching the front end; on one chunk.
+    handoff_s: float | None = None
 
 
 @dataclass
@@ -41,6 +43,8 @@ class InstanceInfo:
     counters: dict[str, float] = field(default_factory=dict)  # monotonically increasing engine counters
     # Counters with one value per draft position (exported with a `position` label).
     per_position: dict[str, list[float]] = field(default_factory=dict)
+    state: str = "ready"          # starting | ready | stalled | dead | left (server/engine_router.py)
+    step_running_s: float = 0.0   # how long its step in progress has been running
 
 
 class EngineClient(Protocol):

@@ -88,6 +88,8 @@ class Choice:
         now = time.monotonic()
         if chunk.queue_time is not None:
             metrics.queue_time.observe(chunk.queue_time)
+        if chunk.handoff_s is not None:
+            metrics.handoff.observe(chunk.handoff_s)
         if chunk.prompt_logprobs is not None:
             self.prompt_logprobs = list(chunk.prompt_logprobs)
         if chunk.num_cached_tokens is not None:

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -216,7 +215,9 @@ def test_k8s_manifests_parse_and_cli_accepts_their_commands(monkeypatch):
 
 class FakeEngine:
     def __init__(self) -> None:
-        self.last_tick = time.monotonic()
+        from engine.loop_watch import LoopWatch
+
+        self.watch = LoopWatch()
         self.stopping = False
 
 
@@ -237,12 +238,22 @@ def test_engine_health_endpoint_follows_the_loop():
         assert _get(url) == (503, {"status": "starting", "role": "decode", "name": "d0"})
         engine = FakeEngine()
         health.attach(engine)
+        assert _get(url)[1]["status"] == "starting"  # loaded, but the loop has not turned yet
+        engine.watch.tick()
         code, body = _get(url)
         assert code == 200 and body["status"] == "ok"
-        engine.last_tick -= 1.0  # the loop has not turned for a second: stuck
+        engine.watch.begin()
+        engine.watch.busy_since -= 30.0  # a step running for 30 s with no history yet: work, not a fault
+        engine.watch.last_tick -= 30.0
         code, body = _get(url)
-        assert code == 503 and body["status"] == "stalled"
-        engine.last_tick = time.monotonic()
+        assert code == 200 and body["status"] == "busy" and body["step_running_s"] >= 30, body
+        engine.watch.recent.extend([0.01] * 16)  # ...but 3000x its recent steps: stalled, still alive
+        code, body = _get(url)
+        assert code == 200 and body["status"] == "stalled", body
+        engine.watch.end(ran_model=False)  # between steps, and no tick for 30 s: the loop is stuck
+        code, body = _get(url)
+        assert code == 503 and body["status"] == "stuck", body
+        engine.watch.tick()
         engine.stopping = True
         assert _get(url)[0] == 503
         assert _get(f"http://127.0.0.1:{health.port}/nope")[0] == 404

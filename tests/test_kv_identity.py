@@ -21,8 +21,9 @@ from pd_harness import (
 from engine import messages as em
 from engine.config import EngineConfig
 from engine.types import EngineRole, SamplingParams
+from server.engine_router import EngineState, Instance
 from server.metrics import ServerMetrics
-from server.pd_client import Instance, RemoteEngineClient, Tracked
+from server.pd_client import RemoteEngineClient, Tracked
 
 VOCAB = 384
 NEW = 12
@@ -30,11 +31,18 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
 
 def install_stall(proc, state: dict) -> None:
-    """The first prefill to run a step stalls inside it, after D's pull for the request reached its
-    KV port, until `state["release"]` is set. When it wakes, its held KV is poisoned (garbage
-    blocks, a wrong t0): if D ever took it, the output could not match the reference."""
+    """The first prefill to run a step freezes inside it, after D's pull for the request reached its
+    KV port, until `state["release"]` is set: its step and its link thread both stop (as a process
+    frozen by the OS would), so the front end hears nothing from it and declares it dead. When it
+    wakes, its held KV is poisoned (garbage blocks, a wrong t0): if D ever took it, the output could
+    not match the reference."""
     runner, sender = proc.core.runner, proc.connector.sender
-    execute, hold = runner.execute_model, sender.hold
+    execute, hold, heartbeat = runner.execute_model, sender.hold, proc.link.heartbeat
+
+    def frozen_heartbeat():
+        if state["stalled"] == proc.name:
+            state["release"].wait(60)
+        return heartbeat()
 
     def stalled_execute(sched):
         with state["lock"]:
@@ -59,6 +67,7 @@ def install_stall(proc, state: dict) -> None:
 
     runner.execute_model = stalled_execute
     sender.hold = poisoned_hold
+    proc.link.heartbeat = frozen_heartbeat
 
 
 def test_retry_race_decode_takes_only_the_retry(checkpoints, references, tmp_path):
@@ -119,7 +128,7 @@ def test_router_round_robin_is_per_role():
     now = time.monotonic()
     for name, role in (("p0", EngineRole.PREFILL), ("p1", EngineRole.PREFILL), ("d0", EngineRole.DECODE)):
         hb = em.Heartbeat(name, role, f"ipc://{name}", 10, 10, 0, 0, {})
-        client.table[name] = Instance(name, role, hb, now)
+        client.table[name] = Instance(name, role, hb, now, EngineState.READY)
     sent: list[tuple[str, object]] = []
     client._send = lambda name, message: sent.append((name, message))
     picked = []
@@ -170,3 +179,31 @@ def test_prefill_frees_an_old_attempt_as_soon_as_it_learns_of_the_new_one(tmp_pa
         sender.close()
         receiver.close()
         ctx.term()
+
+
+def test_prefill_and_decode_are_chosen_independently_and_a_failing_pair_is_avoided():
+    """2 P, 2 D at equal load: all four pairs carry traffic (not p0-d0 and p1-d1 forever); after 3
+    failed transfers in a row between p0 and d0, p0 hands off to d1 only, and /metrics counts the trip."""
+    client = RemoteEngineClient("ipc:///nowhere", "pd", 256, VOCAB, [1])
+    now = time.monotonic()
+    for name, role in (("p0", EngineRole.PREFILL), ("p1", EngineRole.PREFILL), ("d0", EngineRole.DECODE),
+                       ("d1", EngineRole.DECODE)):
+        hb = em.Heartbeat(name, role, f"ipc://{name}", 10, 10, 0, 0, {})
+        client.table[name] = Instance(name, role, hb, now, EngineState.READY)
+    client._send = lambda name, message: None
+
+    def place(n: int) -> list[tuple[str, str]]:
+        pairs = []
+        for i in range(n):
+            tracked = Tracked(f"r{i}", [3, 4], GREEDY, asyncio.Queue())
+            client._dispatch(tracked)
+            pairs.append((tracked.prefill, tracked.decode))
+            client._forget(tracked)
+        return pairs
+
+    assert set(place(8)) == {("p0", "d0"), ("p0", "d1"), ("p1", "d0"), ("p1", "d1")}
+    for _ in range(3):
+        client.placement.transfer_failed("p0", "d0")
+    assert client.counters()["pd_pair_breaker_trips_total"] == 1
+    pairs = place(8)
+    assert ("p0", "d0") not in pairs and ("p0", "d1") in pairs and ("p1", "d0") in pairs, pairs

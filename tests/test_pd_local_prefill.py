@@ -65,7 +65,8 @@ def test_a_request_starts_where_less_prefill_is_ahead_of_it():
     from types import SimpleNamespace
 
     from engine.types import EngineRole
-    from server.pd_client import Instance, RemoteEngineClient, Tracked
+    from server.engine_router import Instance
+    from server.pd_client import RemoteEngineClient, Tracked
 
     params = SamplingParams(max_tokens=4)
     p, d = Instance("p", EngineRole.PREFILL), Instance("d", EngineRole.DECODE)
