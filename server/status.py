@@ -47,6 +47,8 @@ class InstanceStatus(msgspec.Struct):
     name: str
     role: str
     ready: bool
+    state: str                           # starting | ready | stalled | dead | left
+    step_running_s: float                # how long its step in progress has been running
     kv_usage: float                      # 0..1
     kv_blocks_free: int
     kv_blocks_total: int
@@ -126,7 +128,8 @@ class StatusBoard:
         moved = sum(c.get(k, 0.0) for k in _BYTES)
         latency_n = c.get("kv_transfer_latency_seconds_count", 0.0)
         return InstanceStatus(
-            name=info.name, role=str(info.role), ready=info.ready,
+            name=info.name, role=str(info.role), ready=info.ready, state=info.state,
+            step_running_s=info.step_running_s,
             kv_usage=1.0 - info.kv_blocks_free / info.kv_blocks_total if info.kv_blocks_total else 0.0,
             kv_blocks_free=info.kv_blocks_free, kv_blocks_total=info.kv_blocks_total,
             num_running=info.num_running, num_waiting=info.num_waiting,
