@@ -59,7 +59,8 @@ MS = 1000.0
 SPEC_PREFIXES = ("pdserve", "vllm")
 # Server-side latency histograms (reported beside the client's numbers when the server has them).
 SERVER_HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "itl": "inter_token_latency_seconds",
-                     "e2el": "e2e_request_latency_seconds"}
+                     "e2el": "e2e_request_latency_seconds",
+                     "handoff": "pd_handoff_seconds"}  # PD: P's first token -> D's first tokens (pdserve only)
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -642,7 +643,7 @@ def format_report(r: dict) -> str:
     server = r.get("server_side")
     if server:
         lines.append("{s:{c}^50}".format(s="Server-side (/metrics)", c="-"))
-        for key, short in (("ttft", "TTFT"), ("itl", "ITL"), ("e2el", "E2EL")):
+        for key, short in (("ttft", "TTFT"), ("itl", "ITL"), ("e2el", "E2EL"), ("handoff", "PD hand-off")):
             if f"mean_{key}_ms" in server:
                 row(f"Mean {short} (ms):", server[f"mean_{key}_ms"])
     if r["errors"]:

@@ -104,6 +104,11 @@ class RemoteEngineClient:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.router.stop()
 
+    @property
+    def refused_connections(self) -> int:
+        """Handshakes refused on the engine socket (no or wrong cluster key)."""
+        return self.router.refused_connections
+
     def counters(self) -> dict[str, float]:
         """The front end's own counters, for /metrics."""
         return {"engine_connections_refused": float(self.router.refused_connections),
@@ -373,24 +378,26 @@ class RemoteEngineClient:
         logger.info("request %s: streaming again %.2f s after %s", tracked.req_id, took, tracked.failure)
 
     async def _watch_instances(self) -> None:
-        """Every quarter second: requests waiting for a live instance try again, requests held by
-        an instance that died or left fail over, and long-dead instances leave the table. Deaths
-        are judged by the router's thread, so this loop running late never causes one."""
         while True:
             await asyncio.sleep(0.25)
-            for tracked in list(self.redispatching.values()):
-                self._redispatch(tracked)
-            now = time.monotonic()
-            for inst in self.router.instances():
-                if inst.state not in (EngineState.DEAD, EngineState.LEFT):
+            self._sweep(time.monotonic())
+
+    def _sweep(self, now: float) -> None:
+        """Every quarter second: requests waiting for a live instance try again, requests held by
+        an instance that died or left fail over, and long-dead instances leave the table. Deaths
+        are judged by the router's thread, so this running late never causes one."""
+        for tracked in list(self.redispatching.values()):
+            self._redispatch(tracked)
+        for inst in self.router.instances():
+            if inst.state not in (EngineState.DEAD, EngineState.LEFT):
+                continue
+            for req_id in list(inst.outstanding):
+                tracked = self.tracked.get(req_id)
+                if tracked is None:
+                    inst.outstanding.discard(req_id)
                     continue
-                for req_id in list(inst.outstanding):
-                    tracked = self.tracked.get(req_id)
-                    if tracked is None:
-                        inst.outstanding.discard(req_id)
-                        continue
-                    what = "died" if inst.state == EngineState.DEAD else "left"
-                    self._recover(tracked, f"{inst.role} instance {inst.name} {what} ({inst.why})", {inst.name})
-                if not inst.outstanding and now - inst.since > self.forget_after_s:
-                    self.table.pop(inst.name, None)
-                    logger.info("engine %s forgotten after %g s %s", inst.name, self.forget_after_s, inst.state)
+                what = "died" if inst.state == EngineState.DEAD else "left"
+                self._recover(tracked, f"{inst.role} instance {inst.name} {what} ({inst.why})", {inst.name})
+            if not inst.outstanding and now - inst.since > self.forget_after_s:
+                self.table.pop(inst.name, None)
+                logger.info("engine %s forgotten after %g s %s", inst.name, self.forget_after_s, inst.state)

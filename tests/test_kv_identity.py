@@ -207,3 +207,17 @@ def test_prefill_and_decode_are_chosen_independently_and_a_failing_pair_is_avoid
     assert client.counters()["pd_pair_breaker_trips_total"] == 1
     pairs = place(8)
     assert ("p0", "d0") not in pairs and ("p0", "d1") in pairs and ("p1", "d0") in pairs, pairs
+
+
+def test_dead_and_departed_instances_leave_the_table_after_a_bound():
+    """A dead or departed instance stays listed (so /status shows what happened) for `forget_after_s`,
+    then goes; a live one stays whatever its age."""
+    client = RemoteEngineClient("ipc:///nowhere", "pd", 256, VOCAB, [1], forget_after_s=60.0)
+    now = time.monotonic()
+    for name, state, since in (("p0", EngineState.DEAD, now - 61), ("p1", EngineState.DEAD, now - 30),
+                               ("d0", EngineState.LEFT, now - 61), ("d1", EngineState.READY, now - 1000)):
+        hb = em.Heartbeat(name, EngineRole.PREFILL, f"ipc://{name}", 10, 10, 0, 0, {})
+        client.table[name] = Instance(name, EngineRole.PREFILL, hb, now, state, since)
+    client._sweep(now)
+    assert set(client.table) == {"p1", "d1"}
+    assert {i.name: i.state for i in client.instances()} == {"p1": "dead", "d1": "ready"}
