@@ -62,6 +62,7 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.connector = KVConnector()  # colocated; an engine process may set its role's connector
         self.step_times = StepTimes()
+        self.step_tokens = 0  # tokens scheduled in the step in progress (read by the liveness watch)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
                                    self.block_manager, self.connector, config.num_lookahead_tokens)
         logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens", config.model, config.dtype,
@@ -128,6 +129,7 @@ class EngineCore:
     def step(self) -> list[RequestUpdate]:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
+        self.step_tokens = sched.total_num_scheduled_tokens
         if sched.is_empty:  # an idle engine process steps too (to reserve KV): skip the runner then
             return []
         if sched.new_requests:

@@ -59,7 +59,7 @@ class EngineProcess:
         self.stopping = False
         self.failed: str | None = None   # why the loop gave up (the process then exits non-zero)
         self.busy_loop_s = 0.0
-        self.watch = LoopWatch()
+        self.watch = LoopWatch(lambda: self.core.step_tokens)
         self._status = self._engine_status()
         self._status_at = time.monotonic()
         # Fault-injection knob for tests and drills: slow every step down (seconds).

@@ -237,8 +237,9 @@ class EngineRouter:
             logger.error("engine %s declared dead: %s; failing over its requests", inst.name, inst.why)
         elif state == EngineState.STALLED:
             self.stalls += 1
-            logger.warning("engine %s stalled: a step running for %.1f s, past %.1f s (10x its recent p99 %.3f s, "
-                           "or the floor)", inst.name, hb.busy_s, hb.stall_after_s, hb.step_p99_s)
+            logger.warning("engine %s stalled: a step running for %.1f s, past %.1f s (10x what its recent steps "
+                           "predict for this one, at least 10 s; recent step p99 %.3f s)", inst.name, hb.busy_s,
+                           hb.stall_after_s, hb.step_p99_s)
         elif state == EngineState.LEFT:
             logger.info("engine %s is leaving: %s", inst.name, inst.why or "draining")
         elif old in (EngineState.STALLED, EngineState.DEAD):

@@ -247,7 +247,7 @@ def test_engine_health_endpoint_follows_the_loop():
         engine.watch.last_tick -= 30.0
         code, body = _get(url)
         assert code == 200 and body["status"] == "busy" and body["step_running_s"] >= 30, body
-        engine.watch.recent.extend([0.01] * 16)  # ...but 3000x its recent steps: stalled, still alive
+        engine.watch.recent.extend([(0.01, 1)] * 16)  # ...but 3000x its recent steps: stalled, still alive
         code, body = _get(url)
         assert code == 200 and body["status"] == "stalled", body
         engine.watch.end(ran_model=False)  # between steps, and no tick for 30 s: the loop is stuck

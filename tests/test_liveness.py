@@ -266,3 +266,24 @@ def test_serve_keys_its_own_processes_and_refuses_a_local_impostor(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(serve.pid, signal.SIGKILL)
             serve.wait(10)
+
+
+def test_the_stall_rule_scales_with_the_engine_and_the_step():
+    """No history: only a very long first step is a stall (it may build kernels and prefill a long
+    prompt). With a history of 0.2 s decode steps of 4 tokens, a 1024-token prefill chunk among them
+    may take far longer (the prediction is per token), while a 4-token step of 30 s is a stall."""
+    from engine.loop_watch import FIRST_STEPS_STALL_S, STALL_FLOOR_S, LoopState, LoopWatch
+
+    tokens = [4]
+    watch = LoopWatch(lambda: tokens[0])
+    watch.tick()
+    assert watch.stall_after_s() == FIRST_STEPS_STALL_S
+    watch.recent.extend([(0.2, 4)] * 32)
+    assert watch.stall_after_s() == STALL_FLOOR_S            # 10 x 0.2 s is under the floor
+    watch.begin()
+    watch.busy_since -= 30.0
+    assert watch.state() == LoopState.STALLED
+    tokens[0] = 1024                                          # 0.05 s a token x 1024 x 10 = 512 s
+    assert abs(watch.stall_after_s() - 512.0) < 1e-6 and watch.state() == LoopState.BUSY
+    watch.end(ran_model=True)
+    assert watch.state() == LoopState.OK and watch.recent[-1][1] == 1024
