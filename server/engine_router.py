@@ -129,7 +129,7 @@ class EngineRouter:
         if self._auth is not None:
             self._auth.stop()
         self._out.close(0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # closes whatever a stuck thread left open, rather than wait on it
 
     def instances(self) -> list[Instance]:
         return list(self.table.values())  # one C-level copy: safe while the thread adds
