@@ -20,7 +20,7 @@ from engine.types import SamplingParams
 from engine.validation import check_prompt, check_resumed_outputs
 from kv_transfer.connector import KVConnector
 from scheduler.block_manager import BlockManager
-from scheduler.scheduler import RequestUpdate, Scheduler
+from scheduler.scheduler import RequestUpdate, Scheduler, SpecDecodeStats
 from worker.kv_tap import KVTap
 from worker.model_runner import ModelRunner
 
@@ -76,6 +76,22 @@ class EngineCore:
             self.runner.kv_tap = KVTap(self.runner.kv_cache, self.config.block_size, connector.tap_target,
                                        connector.on_layer, connector.snapshots, connector.on_layers_done,
                                        connector.on_hidden)
+
+    def warm_up(self) -> None:
+        """One 2-token prompt, one output token, through schedule -> execute -> update, before the
+        engine takes any work: the first step of a process builds kernels and their caches (seconds
+        on a large model), and a runtime that cannot run the model fails here rather than on a user's
+        request. It leaves nothing behind: its blocks are freed (a partial block is never cached)
+        and the counters start from zero. Only a colocated connector is set at this point."""
+        assert not self.connector.hands_off, "warm up before setting a PD connector"
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        self.add_request([0, 0], params, req_id="warm-up")
+        while self.has_unfinished():
+            self.step()
+        self.step_times = StepTimes()
+        self.scheduler.spec_stats = SpecDecodeStats()
+        if self.runner.drafter is not None:
+            self.runner.spec_policy.chosen_k_counts = [0] * len(self.runner.spec_policy.chosen_k_counts)
 
     # -- requests ------------------------------------------------------------------------
 

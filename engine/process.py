@@ -48,6 +48,7 @@ class EngineProcess:
             raise ValueError(f"role must be colocated, prefill or decode, got {role!r}") from None
         self.name = name
         self.core = EngineCore(dataclasses.replace(config, instance_name=name))
+        self.core.warm_up()  # before the front end hears of us: a new engine gets work once it has stepped
         self.zmq = zmq.Context()
         cluster_key = cluster_key or ClusterKey.from_env()
         runner = self.core.runner
