@@ -1,4 +1,4 @@
-"""The one seam between an engine and KV transfer (DESIGN.md §5), shaped after vLLM's KV
+"""The one seam between an engine and KV transfer (docs/architecture.md, KV transfer), shaped after vLLM's KV
 connector: the engine process builds one connector for its role, and from there on the process
 loop, the engine core and the scheduler call the same methods whatever the role.
 

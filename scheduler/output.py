@@ -1,4 +1,5 @@
-"""The scheduler <-> worker contract for one step (DESIGN.md §3.1). Plain data, nothing else."""
+"""The scheduler <-> worker contract for one step (docs/architecture.md, request-state invariants).
+Plain data, nothing else."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -127,7 +127,7 @@ class Scheduler:
 
     def kv_loaded(self, req_id: str, t0: int, num_tokens: int,
                   hidden: torch.Tensor | None = None) -> RequestUpdate | None:
-        """The prompt's KV is in the request's reserved blocks: the handoff (DESIGN.md §1 step 5),
+        """The prompt's KV is in the request's reserved blocks: the handoff (docs/architecture.md, the hand-off),
         prompt + [t0] with everything but t0 computed. A resumed request (failover) already holds
         its streamed outputs; P handed back the last of them as t0, and the client has seen it.
         `hidden`: the hidden states P handed over for the MTP drafter (NewRequestData.handoff_hidden)."""

@@ -11,7 +11,7 @@ with the same CPython version rebuilds the same data.  The script
    tokens and wraps it so ``transformers.AutoTokenizer`` loads it,
 3. trains a small ``Qwen2ForCausalLM`` jointly with ONE MiMo-style MTP layer
    (multi-token prediction draft head, used by pdserve for speculative
-   decoding; see DESIGN.md section 4 and the model card for its semantics),
+   decoding; see docs/architecture.md (speculative decoding) and the model card for its semantics),
 4. saves everything as bf16 safetensors (MTP weights beside the target's, under
    ``model.mtp_layers.0.``),
 5. reloads the saved folder with ``transformers`` and evaluates: held-out

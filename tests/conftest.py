@@ -113,7 +113,8 @@ def random_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int) ->
 
 
 def add_mtp_layer(model_dir: Path, seed: int = 1, std: float = 0.08) -> Path:
-    """Append one random MiMo-style MTP layer (DESIGN.md §4 key layout) to a checkpoint in place."""
+    """Append one random MiMo-style MTP layer (the key layout of docs/architecture.md, speculative
+    decoding) to a checkpoint in place."""
     import json
 
     from safetensors.torch import load_file, save_file

@@ -1,4 +1,4 @@
-"""The package layout of DESIGN.md §2, checked statically (ast, nothing is imported): no import
+"""The package layout of README.md, layout, checked statically (ast, nothing is imported): no import
 cycles among our modules, imports only in the allowed directions, short functions.
 
 Every import statement counts, wherever it is (module level, inside a function, under
@@ -93,7 +93,7 @@ def test_no_import_cycles():
 def test_imports_go_in_the_allowed_directions():
     bad = [f"{mod} imports {dep}" for mod, deps in import_graph().items() if mod.split(".")[0] in MAY_IMPORT
            for dep in sorted(deps) if not allowed(dep, MAY_IMPORT[mod.split(".")[0]])]
-    assert not bad, "imports against DESIGN.md §2:\n" + "\n".join(bad)
+    assert not bad, "imports against README.md, layout:\n" + "\n".join(bad)
 
 
 def test_engine_leaf_modules_import_nothing_else_of_ours():

@@ -1,5 +1,5 @@
 """Failover: a request whose engine dies mid-stream is resumed on live instances, and the client's
-stream goes on with no token repeated or missing (issue 15, part 1; DESIGN.md §5).
+stream goes on with no token repeated or missing (issue 15, part 1; docs/architecture.md, KV transfer).
 
 The resume sends prompt + every streamed token to a live P, which computes the KV of all but the
 last streamed token and hands that one to a live D as its t0 (nothing is sampled on P); D continues

@@ -1,4 +1,4 @@
-"""Run-time checks of the request-state invariants I1-I5 (DESIGN.md §3).
+"""Run-time checks of the request-state invariants I1-I5 (docs/architecture.md, request-state invariants).
 
 On when `PDSERVE_DEBUG_INVARIANTS=1` (the test suite sets it). They read device tensors back,
 so they cost a sync per step: debug only. A violation raises `InvariantViolation` naming the

@@ -1,6 +1,6 @@
 """Per-step token-bookkeeping kernels of the model runner.
 
-Per-request state lives in fixed slots (DESIGN.md §3): ``all_token_ids`` is a
+Per-request state lives in fixed slots (docs/architecture.md, request-state invariants): ``all_token_ids`` is a
 ``[S, L]`` table, ``total_len`` / ``last_sampled_tokens`` are ``[S]`` and
 ``draft_tokens`` is ``[S, K]``.  Each step the runner builds a flat
 ``input_ids`` buffer of ``T`` tokens for ``B`` scheduled requests (batch rows),

@@ -63,7 +63,8 @@ def mix_seed(*parts: int) -> int:
 
 
 def position_generator(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The generator of output position ``position`` of a request with ``seed`` (DESIGN.md §4).
+    """The generator of output position ``position`` of a request with ``seed``
+    (docs/architecture.md, speculative decoding).
 
     Randomness keyed by (seed, output index) only, never by a stream's history, is what makes a
     seeded token the same on P or D, in any slot, before or after preemption, and what lets the

@@ -1,4 +1,5 @@
-"""Per-request state in fixed, reused slots (DESIGN.md §3), as explicit arrays indexed by slot.
+"""Per-request state in fixed, reused slots (docs/architecture.md, request-state invariants), as
+explicit arrays indexed by slot.
 
 Host arrays (numpy) hold what the CPU needs to build a step; device tensors hold what kernels
 read. Slots are handed out LIFO so that a stale-state bug shows at once.
@@ -49,9 +50,9 @@ class RequestStates:
         # Unseeded plain-temperature sampling (no top-k/p, min-p, penalties or grammar): the rows whose
         # drafts may be drawn independently from the drafter's own distribution (DraftMode.INDEPENDENT).
         self.plain_random = np.zeros(s, bool)
-        # Per slot: the seed that keys the randomness of each output position (DESIGN.md §4): the
-        # request's own, or for an unseeded request one drawn at admission from this instance's
-        # stream (`noise_seed` differs between engine instances, so P and D never share noise).
+        # Per slot: the seed that keys the randomness of each output position (docs/architecture.md,
+        # speculative decoding): the request's own, or for an unseeded request one drawn at admission
+        # from this instance's stream (`noise_seed` differs between engine instances, so P and D never share noise).
         self.seeds: list[int] = [0] * s
         self._unseeded = random.Random(noise_seed)
         # MTP layer positions still owed KV (decode steps taken without drafting; worker/drafter.py).

@@ -1,4 +1,4 @@
-"""MiMo-style multi-token-prediction (MTP) layer (DESIGN.md §4).
+"""MiMo-style multi-token-prediction (MTP) layer (docs/architecture.md, speculative decoding).
 
 At position i the layer sees the target's final hidden state h_i (after `model.norm`) and the
 embedding of the next token x_{i+1}; it predicts x_{i+2} through the shared lm_head. Its output
