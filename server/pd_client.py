@@ -7,13 +7,14 @@ ones drop out and come back. Routing: P and D each chosen on its own by load, pa
 transfers keep failing avoided (server/placement.py). Failures end in a retry (fresh prefill on
 another P) or a clear error, never a hang.
 
-Failover (docs/architecture.md, failover): the front end keeps every token it streamed. When an instance holding a
-request dies (or fails it with a retryable error) after tokens reached the client, the request is
-resumed: prompt + streamed tokens go to a live P, which computes the KV of all but the last streamed
-token and hands that token to a live D as its t0, under a new transfer id; D continues at the next
-output index, so the client's stream goes on with nothing repeated or missing. With no live
-instance of a needed role it waits for one up to `resume_wait_s`; `max_resumes` bounds the resumes
-of one request, so a request that crashes every D it lands on stops with a clear error.
+Failover (docs/architecture.md, failover): the front end keeps every token it streamed. When an
+instance holding a request dies (or fails it with a retryable error) after tokens reached the
+client, the request is resumed: prompt + streamed tokens go to a live P, which computes the KV of
+all but the last streamed token and hands that token to a live D as its t0, under a new transfer
+id; D continues at the next output index, so the client's stream goes on with nothing repeated or
+missing. With no live instance of a needed role it waits for one up to `resume_wait_s`;
+`max_resumes` bounds the resumes of one request, so a request that crashes every D it lands on
+stops with a clear error.
 """
 from __future__ import annotations
 
@@ -78,7 +79,6 @@ class RemoteEngineClient:
         self.forget_after_s = forget_after_s
         self.mode = ServeMode(mode)
         self.max_model_len, self.vocab_size, self.eos_token_ids = max_model_len, vocab_size, eos_token_ids
-        self.dead_after_s = dead_after_s
         self.max_retries = max_retries
         self.max_resumes, self.resume_wait_s = max_resumes, resume_wait_s
         self.local_prefill_above = local_prefill_above
