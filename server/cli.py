@@ -188,21 +188,26 @@ def engine_cpus(index: int, threads: int, cores: list[int]) -> set[int]:
     return {cores[(start + k) % len(cores)] for k in range(threads)}
 
 
+def serve_cluster_key(run_dir: Path) -> tuple[ClusterKey, dict[str, str]]:
+    """The user's cluster key if one is set, else a fresh one for this run, written to the private
+    run folder for the engines (the environment to give them): only the processes started here
+    hold it, so no other local process can register as an engine or pull KV."""
+    key = ClusterKey.from_env()
+    if key is not None:
+        return key, {}
+    key = ClusterKey.generate()
+    key_file = run_dir / "cluster.key"
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key.secret.decode() + "\n")
+    return key, {CLUSTER_KEY_FILE_ENV: str(key_file)}
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     """Front end + engine children on one host, talking over ipc:// sockets in a private folder."""
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
     server_addr = f"ipc://{run_dir}/frontend"
-    # Without a cluster key of the user's, a fresh one for this run: only the processes started
-    # here hold it, so no other local process can register as an engine or pull KV.
-    cluster_key = ClusterKey.from_env()
-    env_key = {}
-    if cluster_key is None:
-        cluster_key = ClusterKey.generate()
-        key_file = run_dir / "cluster.key"
-        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(cluster_key.secret.decode() + "\n")
-        env_key = {CLUSTER_KEY_FILE_ENV: str(key_file)}
+    cluster_key, env_key = serve_cluster_key(run_dir)
     colocated = args.mode == ServeMode.COLOCATED
     roles = ([(EngineRole.COLOCATED, 1)] if colocated
              else [(EngineRole.PREFILL, args.num_prefill), (EngineRole.DECODE, args.num_decode)])
