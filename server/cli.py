@@ -203,6 +203,24 @@ def serve_cluster_key(run_dir: Path) -> tuple[ClusterKey, dict[str, str]]:
     return key, {CLUSTER_KEY_FILE_ENV: str(key_file)}
 
 
+def child_argv(args: argparse.Namespace, role: EngineRole, name: str, server_addr: str, run_dir: Path,
+               threads: int) -> list[str]:
+    """The command line of one engine child of `pdserve serve`."""
+    argv = [sys.executable, "-m", "server.cli", role, "--name", name, "--server-addr", server_addr,
+            *engine_argv(args), "--num-threads", str(threads)]
+    if role == EngineRole.PREFILL:
+        argv += ["--kv-addr", f"ipc://{run_dir}/{name}-kv"]
+    if role == EngineRole.DECODE:  # the last --max-num-batched-tokens wins
+        budget = min(args.max_num_batched_tokens, args.decode_max_num_batched_tokens)
+        argv += ["--max-num-batched-tokens", str(budget)]
+    if args.kv_key:
+        argv += ["--kv-key", args.kv_key]
+    if args.kv_checksum:
+        argv += ["--kv-checksum"]
+    return argv + ["--kv-transfer-mode", args.kv_transfer_mode,
+                   "--kv-layerwise-min-tokens", str(args.kv_layerwise_min_tokens)]
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     """Front end + engine children on one host, talking over ipc:// sockets in a private folder."""
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
@@ -223,20 +241,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     cores = sorted(os.sched_getaffinity(0))
     for role, count in roles:
         for i in range(count):
-            name = f"{role}-{i}"
-            argv = [sys.executable, "-m", "server.cli", role, "--name", name, "--server-addr", server_addr,
-                    *engine_argv(args), "--num-threads", str(role_threads.get(role, threads))]
-            if role == EngineRole.PREFILL:
-                argv += ["--kv-addr", f"ipc://{run_dir}/{name}-kv"]
-            if role == EngineRole.DECODE:  # the last --max-num-batched-tokens wins
-                budget = min(args.max_num_batched_tokens, args.decode_max_num_batched_tokens)
-                argv += ["--max-num-batched-tokens", str(budget)]
-            if args.kv_key:
-                argv += ["--kv-key", args.kv_key]
-            if args.kv_checksum:
-                argv += ["--kv-checksum"]
-            argv += ["--kv-transfer-mode", args.kv_transfer_mode,
-                     "--kv-layerwise-min-tokens", str(args.kv_layerwise_min_tokens)]
+            argv = child_argv(args, role, f"{role}-{i}", server_addr, run_dir, role_threads.get(role, threads))
             children.append(subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], env=env))
             if args.cpu_affinity == "pin":
                 os.sched_setaffinity(children[-1].pid, engine_cpus(len(children) - 1, threads, cores))
