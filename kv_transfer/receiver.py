@@ -1,7 +1,7 @@
 """Decode side (D): pull KV blocks from prefill instances into reserved blocks.
 
-One DEALER per prefill endpoint, handshaked on first use. Every pull has a deadline; a pull
-that misses it (P died, P overloaded) fails with a clear reason and P is told to release.
+One DEALER per prefill endpoint, handshaked on first use. A pull that stops making progress
+(P died, P unreachable) fails after a bound with a clear reason and P is told to release (below).
 
 A pull expects one transfer: (request id, transfer id) from the P at its endpoint. A header or
 error for anything else (an old attempt, another P, a request D never reserved) is dropped and
@@ -581,8 +581,8 @@ class KVReceiver:
                           "(--kv-deadline-s)")
                 logger.warning("%s: %s", pull.req_id, reason)
                 failed.append(Failed(pull.req_id, reason))
-            elif (quiet > RESUME_AFTER_S and peer.state == "ready" and pull.requested
-                  and now - pull.last_request > RESUME_AFTER_S):
+            elif (quiet > RESUME_AFTER_S and peer.state == "ready" and peer.connected and pull.requested
+                  and now - pull.last_request > RESUME_AFTER_S):  # (while disconnected, the reconnect resumes it)
                 logger.info("KV transfer of %s from %s quiet for %.1f s: asking for the rest again", pull.req_id,
                             pull.endpoint, quiet)
                 self._request(peer, pull)
