@@ -54,9 +54,28 @@ def enter_netns(ns: str) -> None:
         os.close(fd)
 
 
+PREFIX = "pdt-"
+
+
+def reap_stale_namespaces() -> None:
+    """Delete what an earlier run of this harness left behind when it was killed before its
+    cleanup: namespaces named after a process that no longer exists, and what runs inside them."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=CMD_TIMEOUT_S).stdout
+    for ns in (line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)):
+        owner = ns.split("-")[1]
+        if not owner.isdigit() or os.path.exists(f"/proc/{owner}"):
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
+        for pid in pids.stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=CMD_TIMEOUT_S)
+
+
 class Netns:
     def __init__(self) -> None:
-        self.tag = uuid.uuid4().hex[:6]
+        reap_stale_namespaces()
+        self.tag = f"{os.getpid()}-{uuid.uuid4().hex[:4]}"  # the pid: reap_stale_namespaces tells stale ones
         self.hub = self._ns("hub")
         self.namespaces: list[str] = []
         self.bridges: dict[str, str] = {}
@@ -66,7 +85,7 @@ class Netns:
         self._add_ns(self.hub)
 
     def _ns(self, node: str) -> str:
-        return f"pdt-{self.tag}-{node}"
+        return f"{PREFIX}{self.tag}-{node}"
 
     def sh(self, *argv: str) -> str:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=CMD_TIMEOUT_S)

@@ -153,14 +153,15 @@ def assert_exact(references, prompts: list[list[int]], results: list[dict], max_
 @pytest.fixture(scope="module")
 def cluster(checkpoints, tmp_path_factory):
     """2 prefill and 2 decode engines, each on its own host. The prefills are slowed down
-    (PDSERVE_DEBUG_STEP_DELAY, small chunks) and stream layer by layer, so that a fault can
-    catch KV transfers in flight."""
+    (PDSERVE_DEBUG_STEP_DELAY, small chunks) so that a fault can catch KV transfers in flight;
+    p0 streams the KV layer by layer, p1 sends it once the prefill is over."""
     c = Cluster(tmp_path_factory.mktemp("multihost"), str(checkpoints["qwen2"]))
     try:
         c.start_front_end()
-        for name in ("p0", "p1"):
+        for name, mode in (("p0", "layerwise"), ("p1", "after-prefill")):  # both ways of shipping the KV
             c.start_engine("prefill", name, "--max-model-len", "512", "--max-num-batched-tokens", "48",
-                           "--kv-layerwise-min-tokens", "0", env={"PDSERVE_DEBUG_STEP_DELAY": "0.1"})
+                           "--kv-transfer-mode", mode, "--kv-layerwise-min-tokens", "0",
+                           env={"PDSERVE_DEBUG_STEP_DELAY": "0.1"})
         for name in ("d0", "d1"):
             c.start_engine("decode", name, "--max-model-len", "512")
         c.wait_ready(["p0", "p1", "d0", "d1"])
