@@ -393,3 +393,27 @@ def test_a_transfer_broken_by_a_reconnect_resumes_from_what_landed(ctx, monkeypa
         relay.close()
         sender.close()
         receiver.close()
+
+
+def test_the_stream_splits_a_layer_larger_than_a_frame(ctx, tmp_path, monkeypatch):
+    """No frame exceeds MAX_FRAME_BYTES in layer-wise mode either: a big chunk of a layer goes as
+    several KVLayer messages, and D puts them together."""
+    monkeypatch.setattr(sender_module, "MAX_FRAME_BYTES", 512)  # 4 positions a frame
+    src = torch.randn(SHAPE)
+    dst = torch.zeros(SHAPE)
+    sender = KVSender(ctx, f"ipc://{tmp_path}/p", src, "h", "{}", "prefill-0", lambda *_: None, layerwise=True)
+    receiver = KVReceiver(ctx, dst, "h", "{}", "decode-0")
+    n, blocks = 10, [0, 1, 2]
+    try:
+        receiver.start("r", sender.address, blocks, "t", n)
+        pump(sender, receiver, until=lambda d, f: ("r", "t") in sender.pulls)
+        for layer in range(3):
+            sender.publish_layer("r", "t", layer, 0, n, n, src[layer].reshape(2, -1, *SHAPE[4:])[:, :n].clone())
+        sender.hold("r", blocks, n, 4, "t")
+        done, _ = pump(sender, receiver, until=lambda d, f: d)
+        assert done[0].req_id == "r" and torch.equal(dst[:, :, :2], src[:, :, :2])
+        assert torch.equal(dst[:, :, 2, :2], src[:, :, 2, :2])
+        assert receiver.stats.layers_received == sender.counters()["kv_transfer_layers_sent"] == 3 * 3
+    finally:
+        sender.close()
+        receiver.close()
