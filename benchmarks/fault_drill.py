@@ -415,7 +415,7 @@ def write_markdown(out: Path, meta: dict) -> None:
              f"- model: `{meta['model']}`{RANDOM_MODEL_NOTE if meta['random_model'] else ''}",
              f"- cluster: `pdserve server` + `pdserve prefill` x2 + `pdserve decode` x2, separate processes on "
              f"127.0.0.1 (ipc:// sockets), {meta['threads']} torch thread(s) per engine, front end `--dead-after-s 3`, "
-             "default KV lease (30 s) and deadline (60 s)", ""]
+             "default KV lease (30 s) and no-progress deadline (30 s)", ""]
     drill_path, soak_path = out / "fault_drill.json", out / "soak.json"
     if drill_path.is_file():
         d = json.loads(drill_path.read_text())

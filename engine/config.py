@@ -108,7 +108,13 @@ class KVTransferConfig:
     advertise: str = ""     # prefill: the address decode instances dial (default: derived from addr)
     key: str = ""           # shared key required on the KV port
     lease_s: float = 30.0   # prefill: free held blocks after this long without the decode side
-    deadline_s: float = 60.0  # decode: give up a KV transfer after this long
+    # decode: give up a KV transfer after this long without progress (no KV arriving from its prefill
+    # and no word from it that the KV is still being computed; kv_transfer/receiver.py). Progress comes
+    # at least every few seconds on a working link whatever the model and the link speed: frames are
+    # small (sender.MAX_FRAME_BYTES) and P answers every KeepAlive. So this bound is about outages:
+    # it rides out a partition shorter than it (the pulls resume where they were) and gives a
+    # transfer whose prefill went silent to a retry elsewhere after it.
+    deadline_s: float = 30.0
     reserve_deadline_s: float = 20.0  # decode: fail a request that got no KV blocks within this long (retryable)
     # prefill: send an xxh3 checksum of each payload (decode verifies any it gets). Off by default:
     # benchmarks/results/bench_pd.txt measures what it costs against raw ZMQ.

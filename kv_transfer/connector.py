@@ -28,9 +28,11 @@ new transfer id for every attempt, so a retry never takes an older attempt's KV.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import socket
+import struct
 import time
 from collections.abc import Callable
 
@@ -272,7 +274,7 @@ def get_kv_connector(role: EngineRole, ctx: zmq.Context, kv_cache: torch.Tensor,
                           lambda _req_id, blocks: free_blocks(blocks), kv.lease_s, kv.key, kv.checksum,
                           lambda theirs: describe_difference(compat, theirs), cluster_key,
                           layerwise=kv.mode == KVTransferMode.LAYERWISE, draft_layers=draft_layers)
-        return PrefillConnector(sender, kv.advertise or advertised(sender.address),
+        return PrefillConnector(sender, advertised(sender.address, kv.advertise),
                                 kv.layerwise_min_tokens if kv.mode == KVTransferMode.LAYERWISE else None)
     if role == EngineRole.DECODE:
         receiver = KVReceiver(ctx, kv_cache, chash, desc_text, name, kv.deadline_s, kv.key, model.get("vocab_size"),
@@ -281,8 +283,69 @@ def get_kv_connector(role: EngineRole, ctx: zmq.Context, kv_cache: torch.Tensor,
     return KVConnector()
 
 
-def advertised(bound: str) -> str:
-    """The address peers should dial for a socket bound on all interfaces (tcp://0.0.0.0:P)."""
-    if bound.startswith("tcp://0.0.0.0:"):
-        return f"tcp://{socket.gethostbyname(socket.gethostname())}:{bound.rsplit(':', 1)[1]}"
-    return bound
+WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+LOCAL_IP = "{ip}"  # in --kv-advertise: this host's routable address (routable_ip)
+
+
+def advertised(bound: str, advertise: str = "") -> str:
+    """The KV address decode instances dial: `advertise` (with LOCAL_IP filled in) where given,
+    else `bound`, except that a wildcard bind (tcp://0.0.0.0:P) is no address anyone can dial: it
+    becomes this host's routable address, never loopback (peers on other hosts would dial
+    themselves). Raises ValueError, saying what to set, where no such address is found."""
+    if advertise:
+        return advertise.replace(LOCAL_IP, _local_ip(advertise)) if LOCAL_IP in advertise else advertise
+    host, _, port = bound.removeprefix("tcp://").rpartition(":")
+    if not bound.startswith("tcp://") or host not in WILDCARD_HOSTS:
+        return bound
+    address = f"tcp://{_local_ip(bound)}:{port}"
+    logger.warning("KV port bound to %s without --kv-advertise: decode instances are told to dial %s (this "
+                   "host's routable address); set --kv-advertise where another address reaches it", bound, address)
+    return address
+
+
+def _local_ip(what: str) -> str:
+    ip = routable_ip()
+    if ip is None:
+        raise ValueError(f"KV port {what}: found no non-loopback address of this host to advertise to decode "
+                         "instances on other hosts; set --kv-advertise tcp://HOST:PORT")
+    return ip
+
+
+def routable_ip() -> str | None:
+    """This host's IPv4 address as other hosts see it: the hostname's, unless that is loopback (as
+    /etc/hosts often makes it), else the source address of the route to the outside, else the
+    first address of an interface that is up and not loopback; None when there is none."""
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+        if not ipaddress.ip_address(ip).is_loopback:
+            return ip
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # a documentation address: a UDP connect sends nothing
+            ip = probe.getsockname()[0]
+            if not ipaddress.ip_address(ip).is_loopback:
+                return ip
+    except OSError:  # no default route
+        pass
+    return _interface_ip()
+
+
+def _interface_ip() -> str | None:
+    """The first IPv4 address of a non-loopback interface (Linux; None elsewhere or where none has one)."""
+    try:
+        import fcntl
+        names = [name for _, name in socket.if_nameindex()]
+    except (ImportError, OSError):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on it
+                continue
+            ip = socket.inet_ntoa(packed[20:24])
+            if not ipaddress.ip_address(ip).is_loopback:
+                return ip
+    return None

@@ -16,7 +16,8 @@ to one thread, so this thread owns P's ROUTER and
 
 Local control from the engine thread travels on the PAIR behind an empty identity frame (a
 ROUTER identity is never empty). Snapshots are copies, so they stay valid whatever happens to
-the blocks they came from; a transfer that ended (Forget) drops what is still waiting.
+the blocks they came from; a transfer that ended (Forget) drops what is still waiting. A snapshot
+larger than sender.MAX_FRAME_BYTES goes out as several KVLayer messages (sender.py says why).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -78,16 +80,20 @@ class DoneJob:
 
 
 class LayerStreamer:
-    def __init__(self, ctx: zmq.Context, router: zmq.Socket, name: str, checksum: bool) -> None:
+    def __init__(self, ctx: zmq.Context, router: zmq.Socket, name: str, checksum: bool,
+                 max_frame_bytes: int = 1 << 62) -> None:
         """Takes over `router` (bound, configured): the engine thread must not touch it again and
-        uses `engine_socket` instead."""
+        uses `engine_socket` instead. Snapshots go out in frames of at most `max_frame_bytes`."""
         self.router, self.name, self.checksum = router, name, checksum
+        self.max_frame_bytes = max_frame_bytes
         address = f"inproc://kv-stream-{name}-{next(_ids)}"
         self.engine_socket = ctx.socket(zmq.PAIR)   # the engine thread's end
         self.engine_socket.setsockopt(zmq.LINGER, 0)
+        self.engine_socket.setsockopt(zmq.SNDHWM, 0)  # a resend's pieces pass here: never block the engine on them
         self.engine_socket.bind(address)
         self._pair = ctx.socket(zmq.PAIR)           # this thread's end
         self._pair.setsockopt(zmq.LINGER, 0)
+        self._pair.setsockopt(zmq.RCVHWM, 0)
         self._pair.connect(address)
         self.jobs: queue.SimpleQueue[LayerJob | DoneJob] = queue.SimpleQueue()
         self.peers: set[bytes] = set()
@@ -206,14 +212,19 @@ class LayerStreamer:
             return
         if job.ready is not None:
             job.ready.synchronize()  # the device-to-host copy (off the compute stream)
-        frame = memoryview(job.kv.view(torch.uint8).numpy()).cast("B")
         req_id, transfer_id = job.key
-        header = m.KVLayer(req_id, transfer_id, self.name, job.layer, job.start, job.end, job.num_tokens,
-                           str(job.kv.dtype).removeprefix("torch."),
-                           xxhash.xxh3_64_intdigest(frame) if self.checksum else None)
-        self._send_frames([identity, m.encode(header), frame])
-        self.layers_sent += 1
-        self.bytes_sent += frame.nbytes
+        token_bytes = job.kv[:, :1].numel() * job.kv.element_size()
+        step = max(1, self.max_frame_bytes // token_bytes)
+        for a in range(0, job.end - job.start, step):
+            b = min(a + step, job.end - job.start)
+            part = job.kv if (a, b) == (0, job.end - job.start) else job.kv[:, a:b].contiguous()
+            frame = memoryview(part.view(torch.uint8).numpy()).cast("B")
+            header = m.KVLayer(req_id, transfer_id, self.name, job.layer, job.start + a, job.start + b,
+                               job.num_tokens, str(job.kv.dtype).removeprefix("torch."),
+                               xxhash.xxh3_64_intdigest(frame) if self.checksum else None, time.time())
+            self._send_frames([identity, m.encode(header), frame])
+            self.bytes_sent += frame.nbytes
+            self.layers_sent += 1  # KVLayer messages, as D counts them (layers_received)
 
     def _send_frames(self, frames: list) -> None:
         try:

@@ -3,7 +3,9 @@
 A decode instance (D) connects a DEALER to a prefill instance's (P) ROUTER KV port:
 
     D -> P  Hello(compat_hash, key)          P -> D  HelloAck | HelloReject(reason)
-    D -> P  PullKV(req_id, transfer_id)      (D has reserved blocks; "send when ready")
+    D -> P  PullKV(req_id, transfer_id, have, resume)  (D has reserved blocks; "send when ready". A
+                                             re-request after a reconnect or a silence has resume=True
+                                             and names in `have` the KV D already holds: P sends the rest)
     P -> D  [KVHeader, frames...]            per KV layer (MTP included), K then V, one frame per run
                                              of consecutive blocks, straight from the cache's memory;
                                              with `hidden_positions` the MTP layers are left out and one
@@ -14,6 +16,10 @@ A decode instance (D) connects a DEALER to a prefill instance's (P) ROUTER KV po
                                              as soon as P's forward wrote them (any order, repeats allowed)
     P -> D  [KVLayersDone, (hidden frame)]   after the last layer: D admits once every layer covers
                                              [0, num_tokens) (a full KVHeader is also accepted instead)
+  the same KVLayer/KVLayersDone form also carries an after-prefill transfer too large for one message
+  (a frame is at most sender.MAX_FRAME_BYTES) and what a resumed transfer still lacks
+    P -> D  KVPending(req_ids, transfer_ids) (answers a KeepAlive: P has not computed these yet; D
+                                             counts it as progress, so a long prefill queue is no stall)
     P -> D  KVError(req_id, transfer_id, reason)  (P cannot serve it: aborted, lease expired, replaced)
     D -> P  KVAck(req_id, transfer_id)       (P frees its blocks)
     D -> P  KeepAlive(req_ids, transfer_ids) (renews P's lease on those transfers)
@@ -56,6 +62,10 @@ class HelloReject(msgspec.Struct, tag=True):
 class PullKV(msgspec.Struct, tag=True):
     req_id: str
     transfer_id: str = ""
+    # What D already holds, layer -> merged [start, end) position spans (a resumed layer-wise
+    # transfer); P sends only the rest. Empty: everything.
+    have: dict[int, list[list[int]]] = {}
+    resume: bool = False       # a re-request (after a reconnect or a silence): send again what is missing
 
 
 class KVHeader(msgspec.Struct, tag=True):
@@ -72,6 +82,7 @@ class KVHeader(msgspec.Struct, tag=True):
     prefill_done_time: float = 0.0  # wall clock when P finished the forward of the last KV layer (0: unknown)
     hidden_positions: int = 0  # > 0: no MTP layers' KV; the hidden states of the last n positions follow
     hidden_dtype: str = ""
+    sent_time: float = 0.0     # wall clock when P handed the message to its socket (transfer latency)
 
 
 class KVLayer(msgspec.Struct, tag=True):
@@ -86,6 +97,7 @@ class KVLayer(msgspec.Struct, tag=True):
     num_tokens: int            # the prompt's length: positions [0, num_tokens) make the transfer
     dtype: str
     checksum: int | None = None  # xxh3_64 of the frame; None: not computed
+    sent_time: float = 0.0       # as in KVHeader
 
 
 class KVLayersDone(msgspec.Struct, tag=True):
@@ -99,6 +111,14 @@ class KVLayersDone(msgspec.Struct, tag=True):
     hidden_positions: int = 0  # as in KVHeader (the MTP layers are then not among num_layers)
     hidden_dtype: str = ""
     hidden_checksum: int | None = None  # xxh3_64 of the hidden frame; None: not computed
+    sent_time: float = 0.0
+
+
+class KVPending(msgspec.Struct, tag=True):
+    """P's answer to a KeepAlive: of the transfers it names, these P has not finished computing."""
+
+    req_ids: list[str]
+    transfer_ids: list[str]
 
 
 class KVError(msgspec.Struct, tag=True):
@@ -128,7 +148,7 @@ class HandshakeRequired(msgspec.Struct, tag=True):
     reason: str
 
 
-Message = (Hello | HelloAck | HelloReject | PullKV | KVHeader | KVLayer | KVLayersDone | KVError | KVAck
+Message = (Hello | HelloAck | HelloReject | PullKV | KVHeader | KVLayer | KVLayersDone | KVPending | KVError | KVAck
            | KeepAlive | Release | HandshakeRequired)
 
 _encoder = msgspec.msgpack.Encoder()

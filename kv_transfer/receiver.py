@@ -1,7 +1,7 @@
 """Decode side (D): pull KV blocks from prefill instances into reserved blocks.
 
-One DEALER per prefill endpoint, handshaked on first use. Every pull has a deadline; a pull
-that misses it (P died, P overloaded) fails with a clear reason and P is told to release.
+One DEALER per prefill endpoint, handshaked on first use. A pull that stops making progress
+(P died, P unreachable) fails after a bound with a clear reason and P is told to release (below).
 
 A pull expects one transfer: (request id, transfer id) from the P at its endpoint. A header or
 error for anything else (an old attempt, another P, a request D never reserved) is dropped and
@@ -15,18 +15,35 @@ over the target's hidden states of the prompt's last positions instead of the MT
 (messages.py), the pull lands without those layers and the hidden states go on to the drafter.
 A refused handshake is tried again with a backoff, so a P restarted with the right key or model
 is used again without restarting D.
+
+Deadlines follow progress, not the wall clock (issue 44). A pull is given up only when it has
+seen no progress for `deadline_s` (--kv-deadline-s); progress is any KV message arriving from its
+P (for this transfer or one queued ahead of it on the same connection: on a slow link they share
+the pipe), or P's word (KVPending, its answer to our KeepAlive) that it is still computing the KV.
+So a transfer that keeps receiving bytes is never abandoned however long it takes, and neither is
+one waiting behind a long prefill queue, while one from a P that went silent is.
+
+Resuming: ZMQ may lose what was in flight when a connection breaks (P's ROUTER drops a
+disconnected peer's queue). A monitor on each DEALER reports the reconnect; D then says Hello
+again and re-requests every unfinished pull with PullKV(resume=True, have=<the layers' position
+spans already landed>), and P sends only the rest (sender.py). A pull silent for RESUME_AFTER_S
+without a visible reconnect is re-requested the same way. KV that landed stays where it is: a
+resumed transfer completes from whatever of it arrived, before or after the break.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from engine.config import ClusterKey
+from engine.sockets import HEARTBEAT_TIMEOUT_MS, harden
 from kv_transfer import messages as m
 from kv_transfer.sender import frames_checksum
 from kv_transfer.stats import TransferStats
@@ -35,6 +52,12 @@ logger = logging.getLogger(__name__)
 
 HIDDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KEEPALIVE_S = 1.0
+# A pull with no progress for this long is asked for again (what is missing only). Longer than the
+# ZMTP heartbeat timeout, so that a broken connection is normally noticed (and resumed) first, and
+# longer than P's KVPending answers take to come back while P is busy with a step.
+RESUME_AFTER_S = HEARTBEAT_TIMEOUT_MS / 1000 + 2.0
+MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+DATA_MESSAGES = (m.KVHeader, m.KVLayer, m.KVLayersDone)
 REJECT_BACKOFF_S = 1.0       # first wait before saying Hello again to a peer that refused us
 REJECT_BACKOFF_MAX_S = 30.0  # doubled on each refusal up to this
 
@@ -45,8 +68,12 @@ class Pull:
     endpoint: str
     block_ids: list[int]
     started: float
-    deadline: float
+    progress_at: float              # the last sign of progress (start, KV from its P, P's KVPending)
     requested: bool = False
+    requests: int = 0               # PullKVs sent: every one after the first is a resume
+    last_request: float = 0.0
+    first_sent: float = 0.0         # P's wall clock when it sent the first KV message that arrived
+    first_data_at: float = 0.0      # monotonic, here: when that message arrived
     transfer_id: str = ""
     num_tokens: int | None = None   # the reserved request's prompt length, when known
     covered: dict[int, list[list[int]]] = field(default_factory=dict)  # layer-wise: layer -> merged [start, end)s
@@ -81,15 +108,22 @@ class Peer:
     last_keepalive: float = 0.0
     retry_at: float = 0.0       # rejected: when to say Hello again
     backoff: float = 0.0        # the next wait after a refusal (0: the first, REJECT_BACKOFF_S)
+    monitor: zmq.Socket | None = None  # connection events of `socket`
+    connected: bool = False     # the connection is up (ZMTP handshake done, no disconnect since)
+    ever_connected: bool = False
+    progress_at: float = 0.0    # when the last KV message of any transfer arrived from this P
 
 
 class KVReceiver:
     def __init__(self, ctx: zmq.Context, kv_cache: torch.Tensor, compat_hash: str, description: str, name: str,
-                 deadline_s: float = 60.0, key: str = "", vocab_size: int | None = None,
+                 deadline_s: float = 30.0, key: str = "", vocab_size: int | None = None,
                  verify_checksums: bool = True, cluster_key: ClusterKey | None = None, draft_layers: int = 0,
-                 hidden_size: int = 0) -> None:
-        """`draft_layers`: the cache's last layers that are the MTP drafter's; `hidden_size`: the
-        model's (both for transfers that hand over hidden states instead of those layers' KV)."""
+                 hidden_size: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+        """`deadline_s`: give up a pull after this long without progress (module docstring);
+        `draft_layers`: the cache's last layers that are the MTP drafter's; `hidden_size`: the
+        model's (both for transfers that hand over hidden states instead of those layers' KV);
+        `clock`: the monotonic clock deadlines run on (tests pass a fake one)."""
+        self.clock = clock
         self.ctx = ctx
         self.draft_layers, self.hidden_size = draft_layers, hidden_size
         self.cluster_key = cluster_key  # CURVE: prove we hold the cluster key, check that P does
@@ -108,9 +142,8 @@ class KVReceiver:
               num_tokens: int | None = None) -> None:
         if req_id in self.pulls:  # the same id again: the old pull is over, whatever it was
             self.cancel(req_id, "replaced by a new pull of the same request")
-        now = time.monotonic()
-        pull = Pull(req_id, endpoint, block_ids, now, now + self.deadline_s, transfer_id=transfer_id,
-                    num_tokens=num_tokens)
+        now = self.clock()
+        pull = Pull(req_id, endpoint, block_ids, now, now, transfer_id=transfer_id, num_tokens=num_tokens)
         self.pulls[req_id] = pull
         peer = self._peer(endpoint)
         peer.pulls.add(req_id)
@@ -135,12 +168,13 @@ class KVReceiver:
         self._send(self._peer(endpoint), m.Release(req_id, reason, transfer_id))
 
     def sockets(self) -> list[zmq.Socket]:
-        return [p.socket for p in self.peers.values()]
+        return [s for p in self.peers.values() for s in (p.socket, p.monitor) if s is not None]
 
     def poll(self) -> tuple[list[Completed], list[Failed]]:
         done: list[Completed] = []
         failed: list[Failed] = []
         for peer in list(self.peers.values()):
+            self._connection_events(peer)
             while True:
                 try:
                     frames = peer.socket.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -164,13 +198,34 @@ class KVReceiver:
             # No frame from P is ever larger than one layer's K (or V) of the whole cache: a bigger one
             # is hostile, and ZMQ drops the connection before allocating it.
             sock.setsockopt(zmq.MAXMSGSIZE, self.kv_cache[0, 0].numel() * self.kv_cache.element_size() + (1 << 20))
+            harden(sock)
             if self.cluster_key is not None:
                 self.cluster_key.secure_client(sock)
+            monitor = sock.get_monitor_socket(MONITOR_EVENTS)
             sock.connect(endpoint)
-            peer = Peer(sock, endpoint, last_keepalive=time.monotonic())  # the Hello counts as the first "keepalive"
+            # The Hello counts as the first "keepalive".
+            peer = Peer(sock, endpoint, last_keepalive=self.clock(), monitor=monitor)
             self.peers[endpoint] = peer
             self._hello(peer)
         return peer
+
+    def _connection_events(self, peer: Peer) -> None:
+        """A connection to P that comes back after a break: say Hello again and resume its pulls
+        (what P had queued for the old connection may be lost)."""
+        while peer.monitor is not None and peer.monitor.poll(0):
+            event = recv_monitor_message(peer.monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED and peer.connected:
+                peer.connected = False
+                logger.warning("KV connection to prefill %s lost: %d pulls wait for it to come back",
+                               peer.endpoint, len(peer.pulls))
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                peer.connected, reconnected = True, peer.ever_connected
+                peer.ever_connected = True
+                if reconnected and peer.state != "rejected":
+                    self.stats.reconnects += 1
+                    logger.warning("KV connection to prefill %s is back: resuming %d pulls", peer.endpoint,
+                                   len(peer.pulls))
+                    self._rehandshake(peer)
 
     def _hello(self, peer: Peer) -> None:
         self._send(peer, m.Hello(self.compat_hash, self.description, self.name, self.key))
@@ -178,15 +233,21 @@ class KVReceiver:
     def _rehandshake(self, peer: Peer) -> None:
         """Say Hello again; pulls not yet answered are re-sent once the HelloAck arrives."""
         peer.state = "connecting"
-        peer.last_keepalive = time.monotonic()
+        peer.last_keepalive = self.clock()
         for req_id in peer.pulls:
             if req_id in self.pulls:
                 self.pulls[req_id].requested = False
         self._hello(peer)
 
     def _request(self, peer: Peer, pull: Pull) -> None:
-        self._send(peer, m.PullKV(pull.req_id, pull.transfer_id))
+        """Ask P for the transfer; again (resume): for what of it has not landed here."""
+        resume = pull.requests > 0
+        if resume:
+            self.stats.transfers_resumed += 1
+        self._send(peer, m.PullKV(pull.req_id, pull.transfer_id, pull.covered if resume else {}, resume))
         pull.requested = True
+        pull.requests += 1
+        pull.last_request = self.clock()
 
     def _end(self, pull: Pull) -> None:
         """The pull is over (landed, failed, cancelled): forget it everywhere, so no KeepAlive renews it."""
@@ -211,7 +272,14 @@ class KVReceiver:
         except (msgspec.DecodeError, msgspec.ValidationError):
             self.stats.dropped_frames += 1
             return
-        if isinstance(msg, m.KVHeader):
+        if isinstance(msg, DATA_MESSAGES):
+            self._progress(peer, msg)
+        if isinstance(msg, m.KVPending):
+            for req_id, transfer_id in zip(msg.req_ids, msg.transfer_ids):
+                pull = self._expected(peer, req_id, transfer_id)
+                if pull is not None:
+                    pull.progress_at = self.clock()
+        elif isinstance(msg, m.KVHeader):
             self._on_header(peer, msg, frames[1:], done, failed)
         elif isinstance(msg, m.KVLayer):
             self._on_layer(peer, msg, frames[1:], done, failed)
@@ -235,14 +303,24 @@ class KVReceiver:
         else:
             self.stats.dropped_unexpected += 1
 
+    def _progress(self, peer: Peer, msg: m.KVHeader | m.KVLayer | m.KVLayersDone) -> None:
+        """KV arrived from P: the connection moves, and so do the pulls waiting on it."""
+        now = self.clock()
+        peer.progress_at = now
+        pull = self._expected(peer, msg.req_id, msg.transfer_id)
+        if pull is not None:
+            pull.progress_at = now
+            if not pull.first_data_at:
+                pull.first_sent, pull.first_data_at = msg.sent_time, now
+
     def _rejected(self, peer: Peer, reason: str) -> None:
         peer.state, peer.reason = "rejected", reason
         wait = peer.backoff or REJECT_BACKOFF_S
-        peer.retry_at = time.monotonic() + wait
+        peer.retry_at = self.clock() + wait
         peer.backoff = min(wait * 2, REJECT_BACKOFF_MAX_S)
         self.stats.handshakes_rejected += 1
         logger.error("prefill %s refused the handshake: %s (trying again in %.0f s at the earliest)",
-                     peer.endpoint, reason, peer.retry_at - time.monotonic())
+                     peer.endpoint, reason, peer.retry_at - self.clock())
 
     def _on_header(self, peer: Peer, header: m.KVHeader, frames: list, done: list[Completed],
                    failed: list[Failed]) -> None:
@@ -261,6 +339,7 @@ class KVReceiver:
         hidden = None
         if header.hidden_positions:
             hidden = self._hidden(frames[-1], header.hidden_positions, header.hidden_dtype)
+            self.stats.bytes_received += len(frames[-1].buffer)
             frames = frames[:-1]
         self._write(pull, header, frames)
         self._landed(peer, pull, Completed(header.req_id, header.t0, header.num_tokens, header.prefill_done_time,
@@ -279,7 +358,13 @@ class KVReceiver:
         self._end(pull)
         self._send(peer, m.KVAck(pull.req_id, pull.transfer_id))
         self.stats.transfers_received += 1
-        self.stats.latency_seconds_sum += time.monotonic() - pull.started
+        # From P sending the first KV byte to the last one landing here: P's wall clock where it said
+        # (meaningful on one host or NTP-close hosts), else from the first KV message's arrival.
+        if pull.first_sent:
+            latency = max(0.0, time.time() - pull.first_sent)
+        else:
+            latency = self.clock() - (pull.first_data_at or pull.started)
+        self.stats.latency_seconds_sum += latency
         self.stats.latency_seconds_count += 1
         done.append(item)
 
@@ -328,6 +413,7 @@ class KVReceiver:
             return
         if msg.hidden_positions:
             pull.hidden = self._hidden(frames[0], msg.hidden_positions, msg.hidden_dtype)
+            self.stats.bytes_received += len(frames[0].buffer)
         pull.num_tokens, pull.layers_done = msg.num_tokens, msg
         self._maybe_complete(peer, pull, done)
 
@@ -460,7 +546,7 @@ class KVReceiver:
         self.stats.bytes_received += sum(len(f.buffer) for f in frames)
 
     def _housekeeping(self, failed: list[Failed]) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for endpoint, peer in self.peers.items():
             if peer.state == "rejected":
                 for req_id in list(peer.pulls):
@@ -480,11 +566,26 @@ class KVReceiver:
                 # and its successor at the same address would never hear from us. Say it again.
                 self._hello(peer)
                 peer.last_keepalive = now
-        for pull in [p for p in self.pulls.values() if p.deadline < now]:
-            self.cancel(pull.req_id, "reservation deadline passed")
-            self.stats.transfers_failed += 1
-            reason = f"KV transfer from {pull.endpoint} timed out after {self.deadline_s:.0f} s"
-            failed.append(Failed(pull.req_id, reason))
+        self._watch_progress(now, failed)
+
+    def _watch_progress(self, now: float, failed: list[Failed]) -> None:
+        """Resume pulls that went quiet; give up those without progress for `deadline_s`."""
+        for pull in list(self.pulls.values()):
+            peer = self.peers[pull.endpoint]
+            quiet = now - max(pull.progress_at, peer.progress_at)
+            if quiet > self.deadline_s:
+                self.cancel(pull.req_id, "no progress")
+                self.stats.transfers_failed += 1
+                self.stats.transfers_stalled += 1
+                reason = (f"KV transfer from {pull.endpoint} timed out: no progress for {self.deadline_s:g} s "
+                          "(--kv-deadline-s)")
+                logger.warning("%s: %s", pull.req_id, reason)
+                failed.append(Failed(pull.req_id, reason))
+            elif (quiet > RESUME_AFTER_S and peer.state == "ready" and peer.connected and pull.requested
+                  and now - pull.last_request > RESUME_AFTER_S):  # (while disconnected, the reconnect resumes it)
+                logger.info("KV transfer of %s from %s quiet for %.1f s: asking for the rest again", pull.req_id,
+                            pull.endpoint, quiet)
+                self._request(peer, pull)
 
     def _send(self, peer: Peer, msg: m.Message) -> None:
         try:
@@ -494,6 +595,9 @@ class KVReceiver:
 
     def close(self) -> None:
         for peer in self.peers.values():
+            if peer.monitor is not None:
+                peer.socket.disable_monitor()
+                peer.monitor.close(0)
             peer.socket.close(0)
 
 

@@ -16,6 +16,20 @@ Two ways to ship the KV (`layerwise`, P's --kv-transfer-mode):
                  the prefill finished. This thread keeps the protocol; the whole-transfer send is
                  still the answer to a pull from a connection the stream did not go to (D
                  re-handshaked), since D accepts either form for any pull.
+
+Frames are small (at most MAX_FRAME_BYTES): a transfer larger than that goes as KVLayer pieces and
+a KVLayersDone even after the prefill, and the stream splits big layer chunks. Two reasons: D sees
+a long transfer arrive piece by piece, which is what its no-progress deadline watches, and every
+frame crosses a slow link within the ZMTP heartbeat timeout (engine/sockets.py), which counts
+only whole frames as traffic and would otherwise drop a connection that is busy carrying one.
+
+Resuming (issue 44). After a reconnect ZMQ may have dropped what was queued for the old
+connection (a ROUTER forgets a peer's queue when it disconnects), so D re-requests an unfinished
+transfer with PullKV(resume=True, have=...), naming the position spans of each layer it already
+holds. For a transfer whose prefill is over P answers by sending only the missing spans, from the
+blocks it still holds under the lease; one still being computed is sent (the missing part of it)
+once it is. Whatever D acknowledged is never sent again; at worst a piece that was in flight when
+D asked arrives twice, which D accepts.
 """
 from __future__ import annotations
 
@@ -31,6 +45,7 @@ import xxhash
 import zmq
 
 from engine.config import ClusterKey, check_bind
+from engine.sockets import harden
 from kv_transfer import messages as m
 from kv_transfer.layer_stream import DoneJob, LayerJob, LayerStreamer
 from kv_transfer.stats import TransferStats
@@ -40,6 +55,11 @@ logger = logging.getLogger(__name__)
 Key = tuple[str, str]   # (req_id, transfer_id)
 ENDED_MEMORY = 4096     # ended transfers remembered to answer late pulls
 MAX_CONTROL_BYTES = 64 << 20  # the largest message D may send (a Hello with every tensor's fingerprint)
+# The largest KV frame P sends. It must cross the slowest link we support (about 1 Mbit/s) well
+# within the ZMTP heartbeat timeout (engine/sockets.py), and the no-progress deadline on D must
+# be many times its transfer time; at fast links a frame this size still costs little per byte.
+MAX_FRAME_BYTES = 256 << 10
+Spans = dict[int, list[list[int]]]  # layer -> merged [start, end) positions (what D already holds)
 
 
 @dataclass
@@ -60,6 +80,7 @@ class HeldKV:
 class PendingPull:
     requester: bytes
     deadline: float
+    have: Spans | None = None   # a resumed pull: what D holds already (send the rest)
 
 
 def consecutive_runs(block_ids: list[int]) -> list[tuple[int, int]]:
@@ -78,6 +99,18 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
+def missing(have: list[list[int]], n: int) -> list[tuple[int, int]]:
+    """The [start, end) spans of [0, n) not covered by `have` (sorted, merged spans)."""
+    out, at = [], 0
+    for start, end in have:
+        if start > at:
+            out.append((at, min(start, n)))
+        at = max(at, end)
+    if at < n:
+        out.append((at, n))
+    return [(a, b) for a, b in out if a < b]
+
+
 def frames_checksum(frames: list) -> int:
     """xxh3_64 over the frames' bytes in order: the same on both sides whatever the framing."""
     h = xxhash.xxh3_64()
@@ -90,15 +123,22 @@ class KVSender:
     def __init__(self, ctx: zmq.Context, bind_addr: str, kv_cache: torch.Tensor, compat_hash: str,
                  description: str, name: str, release_blocks: Callable[[str, list[int]], None], lease_s: float = 30.0,
                  key: str = "", checksum: bool = False, compare: Callable[[str], str] | None = None,
-                 cluster_key: ClusterKey | None = None, layerwise: bool = False, draft_layers: int = 0) -> None:
+                 cluster_key: ClusterKey | None = None, layerwise: bool = False, draft_layers: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """`compare(peer_description)` names what differs from a refused peer's layout (handshake.py);
         with `cluster_key` the port is CURVE-only: decode instances must hold the cluster key;
         `layerwise`: a thread owns the port and streams layers (`publish_layer`); `draft_layers`: the
-        cache's last layers that are the MTP drafter's (left out of a transfer that hands over hidden states)."""
+        cache's last layers that are the MTP drafter's (left out of a transfer that hands over hidden states);
+        `clock`: the monotonic clock leases run on (tests pass a fake one)."""
+        self.clock = clock
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)  # D sends only small control messages
+        # No cap on what waits to go out: it is bounded by the KV held under leases, and a ROUTER at
+        # its high-water mark drops messages silently, which would lose pieces of a transfer.
+        router.setsockopt(zmq.SNDHWM, 0)
+        harden(router)
         check_bind(bind_addr, cluster_key, "prefill KV port")
         self.auth = None
         if cluster_key is not None:
@@ -107,7 +147,7 @@ class KVSender:
         router.bind(bind_addr)
         self.address = router.getsockopt_string(zmq.LAST_ENDPOINT)
         # Layer-wise: the stream thread owns the ROUTER from here on; this thread talks through it.
-        self.streamer = LayerStreamer(ctx, router, name, checksum) if layerwise else None
+        self.streamer = LayerStreamer(ctx, router, name, checksum, MAX_FRAME_BYTES) if layerwise else None
         self.socket = self.streamer.engine_socket if self.streamer else router
         self.streams: set[Key] = set()            # transfers with layers on the stream
         self.first_puller: dict[Key, bytes] = {}  # layer-wise: the connection the stream goes to
@@ -137,15 +177,16 @@ class KVSender:
         # whose Submit this P has not read yet (it comes over the front end's link, the pull over ours).
         self.supersede(req_id, transfer_id, pulls=False)
         key = (req_id, transfer_id)
-        held = HeldKV(req_id, block_ids, num_tokens, t0, time.monotonic() + self.lease_s, transfer_id, hidden=hidden)
+        held = HeldKV(req_id, block_ids, num_tokens, t0, self.clock() + self.lease_s, transfer_id, hidden=hidden)
         self.held[key] = held
         pull = self.pulls.pop(key, None)
         if pull is not None:
             held.requester = pull.requester
-        if key in self.streams and (pull is None or pull.requester == self.first_puller.get(key)):
+        if key in self.streams and (pull is None or (pull.requester == self.first_puller.get(key)
+                                                     and pull.have is None)):
             self._complete_stream(held)  # D gets it on the stream's route, as soon as that is known
         elif pull is not None:
-            self._send(held)
+            self._send(held, pull.have)
 
     def publish_layer(self, req_id: str, transfer_id: str, layer: int, start: int, end: int, num_tokens: int,
                       kv: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
@@ -217,7 +258,7 @@ class KVSender:
                                                          "say Hello again"))
             return
         if isinstance(msg, m.PullKV):
-            self._on_pull(identity, (msg.req_id, msg.transfer_id))
+            self._on_pull(identity, (msg.req_id, msg.transfer_id), msg.have if msg.resume else None)
         elif isinstance(msg, m.KVAck):
             self._release((msg.req_id, msg.transfer_id))
         elif isinstance(msg, m.Release):
@@ -228,8 +269,9 @@ class KVSender:
         else:
             self.stats.dropped_frames += 1
 
-    def _on_pull(self, identity: bytes, key: Key) -> None:
-        now = time.monotonic()
+    def _on_pull(self, identity: bytes, key: Key, have: Spans | None = None) -> None:
+        """`have` (a resumed pull, else None): what D already holds of the transfer."""
+        now = self.clock()
         held = self.held.get(key)
         if held is None:
             if key in self.ended:  # it ended here already: say so now, not at D's deadline
@@ -237,28 +279,39 @@ class KVSender:
                 return
             if self.streamer is not None:
                 self.first_puller.setdefault(key, identity)  # the stream thread routes by the same rule
-            self.pulls[key] = PendingPull(identity, now + self.lease_s)
+            earlier = self.pulls.get(key)
+            if have is None and earlier is not None and earlier.have is not None:
+                have = earlier.have  # still a resumed pull (a KeepAlive-era duplicate changes nothing)
+            self.pulls[key] = PendingPull(identity, now + self.lease_s, have)
             return
-        # A pull from a new connection (D re-handshaked after a reconnect): the first copy went
-        # to a connection that no longer exists, so send again. D ignores a duplicate.
-        resend = held.sent and held.requester != identity
-        if held.streamed:  # the stream follows the first pull; only another connection needs a resend
+        # A resumed pull, or a pull from a new connection (D re-handshaked after a reconnect): what
+        # went to the old connection may be lost, so send again what D does not hold.
+        resend = have is not None or (held.sent and held.requester != identity)
+        if held.streamed and have is None:  # the stream follows the first pull; only another connection resends
             resend = identity != self.first_puller.setdefault(key, identity)
         held.requester = identity
         held.deadline = now + self.lease_s
+        if resend and (held.sent or held.streamed):
+            self.stats.transfers_resumed += 1
         if (not held.sent and not held.streamed) or resend:
-            self._send(held)
+            self._send(held, have)
 
     def _on_keepalive(self, identity: bytes, msg: m.KeepAlive) -> None:
-        now = time.monotonic()
+        """Renew the leases of the transfers D still pulls, and tell it which ones are not computed yet
+        (so that D does not count a long prefill queue as a stalled transfer)."""
+        now = self.clock()
         tids = msg.transfer_ids if len(msg.transfer_ids) == len(msg.req_ids) else [""] * len(msg.req_ids)
+        pending: list[Key] = []
         for key in zip(msg.req_ids, tids):
             if key in self.held:
                 self.held[key].deadline = now + self.lease_s
             elif key in self.pulls:
                 self.pulls[key].deadline = now + self.lease_s
+                pending.append(key)
             elif key in self.ended:  # D missed our KVError (or it was sent before D asked)
                 self._send_msg(identity, m.KVError(key[0], self.ended[key], key[1]))
+        if pending:
+            self._send_msg(identity, m.KVPending([k[0] for k in pending], [k[1] for k in pending]))
 
     def _handshake(self, identity: bytes, hello: m.Hello) -> None:
         if self.key and not hmac.compare_digest(hello.key.encode(), self.key.encode()):
@@ -278,10 +331,16 @@ class KVSender:
             self.streamer.peer_ready(identity)
         self._send_msg(identity, m.HelloAck(self.name))
 
-    def _send(self, held: HeldKV) -> None:
+    def _send(self, held: HeldKV, have: Spans | None = None) -> None:
+        """Send the transfer (or, resumed, what D lacks) to `held.requester`: in one message when it
+        is small and whole, else in KVLayer pieces and a KVLayersDone."""
         assert held.requester is not None
         cache = self.kv_cache
         num_blocks = -(-held.num_tokens // cache.shape[3])
+        token_bytes = 2 * cache.element_size() * cache[0, 0, 0, 0].numel()  # one position's K and V of a layer
+        if have or token_bytes * held.num_tokens * self._num_layers(held) > MAX_FRAME_BYTES:
+            self._send_pieces(held, have or {})
+            return
         runs = consecutive_runs(held.block_ids[:num_blocks])
         # Zero-copy: each run of consecutive blocks of one layer's K (or V) is one contiguous slice
         # of the cache. The blocks stay held until D acks, so the memory is stable while ZMQ sends.
@@ -298,22 +357,58 @@ class KVSender:
         header = m.KVHeader(held.req_id, held.num_tokens, num_blocks, held.t0, [n for _, n in runs],
                             list(cache.shape[3:]), str(cache.dtype).removeprefix("torch."), held.transfer_id,
                             self.name, frames_checksum(frames) if self.checksum else None,
-                            self.done_times.get((held.req_id, held.transfer_id), 0.0), *self._hidden_fields(held))
+                            self.done_times.get((held.req_id, held.transfer_id), 0.0), *self._hidden_fields(held),
+                            sent_time=time.time())
         self.socket.send_multipart([held.requester, m.encode(header), *frames], copy=False)
+        self._sent(held, sum(f.nbytes for f in frames))
+
+    def _send_pieces(self, held: HeldKV, have: Spans) -> None:
+        """Every layer's positions D does not hold, as KVLayer messages of at most MAX_FRAME_BYTES
+        (gathered from the held blocks), then the KVLayersDone that completes the transfer."""
+        cache, n = self.kv_cache, held.num_tokens
+        block_size, heads, dim = cache.shape[3:]
+        step = max(1, MAX_FRAME_BYTES // (2 * cache.element_size() * heads * dim))
+        blocks = torch.tensor(held.block_ids[: -(-n // block_size)], dtype=torch.long)
+        dtype = str(cache.dtype).removeprefix("torch.")
+        sent = 0
+        for layer in range(self._num_layers(held)):
+            flat = cache[layer].view(2, -1, heads, dim)
+            for lo, hi in missing(have.get(layer, []), n):
+                for a in range(lo, hi, step):
+                    b = min(a + step, hi)
+                    pos = torch.arange(a, b)
+                    slots = (blocks[pos // block_size] * block_size + pos % block_size).to(cache.device)
+                    frame = tensor_frame(flat.index_select(1, slots).cpu())
+                    msg = m.KVLayer(held.req_id, held.transfer_id, self.name, layer, a, b, n, dtype,
+                                    frames_checksum([frame]) if self.checksum else None, time.time())
+                    self.socket.send_multipart([held.requester, m.encode(msg), frame], copy=False)
+                    sent += frame.nbytes
+        frames = [tensor_frame(held.hidden)] if held.hidden is not None else []
+        done = self._done_message(held)
+        self.socket.send_multipart([held.requester, m.encode(done), *frames], copy=False)
+        self._sent(held, sent + sum(f.nbytes for f in frames))
+
+    def _sent(self, held: HeldKV, nbytes: int) -> None:
+        if not held.sent:  # a resend is counted in transfers_resumed (by the caller), not as another transfer
+            self.stats.transfers_sent += 1
         held.sent = True
-        self.stats.transfers_sent += 1
-        self.stats.bytes_sent += sum(f.nbytes for f in frames)
+        self.stats.bytes_sent += nbytes
+
+    def _done_message(self, held: HeldKV) -> m.KVLayersDone:
+        frames = [tensor_frame(held.hidden)] if held.hidden is not None else []
+        key = (held.req_id, held.transfer_id)
+        return m.KVLayersDone(held.req_id, held.transfer_id, self.name, held.num_tokens, self._num_layers(held),
+                              held.t0, self.done_times.get(key, 0.0), *self._hidden_fields(held),
+                              frames_checksum(frames) if frames and self.checksum else None, time.time())
 
     def _complete_stream(self, held: HeldKV) -> None:
         assert self.streamer is not None
         key = (held.req_id, held.transfer_id)
         frames = [tensor_frame(held.hidden)] if held.hidden is not None else []
-        done = m.KVLayersDone(held.req_id, held.transfer_id, self.name, held.num_tokens, self._num_layers(held),
-                              held.t0, self.done_times.get(key, 0.0), *self._hidden_fields(held),
-                              frames_checksum(frames) if frames and self.checksum else None)
-        self.streamer.submit(DoneJob(key, done, frames))
+        self.streamer.submit(DoneJob(key, self._done_message(held), frames))
         held.streamed = held.sent = True
         self.stats.transfers_sent += 1
+        self.stats.bytes_sent += sum(f.nbytes for f in frames)  # the layers' bytes: the stream's own counter
 
     def _num_layers(self, held: HeldKV) -> int:
         """The KV layers the transfer carries: all, or the target's where hidden states stand in for the MTP's."""
@@ -360,7 +455,7 @@ class KVSender:
             pass  # the peer is gone; its lease will expire
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for key in [k for k, h in self.held.items() if h.deadline < now]:
             self.stats.leases_expired += 1
             logger.warning("KV lease of %s expired (decode peer silent): freeing %d blocks", key[0],

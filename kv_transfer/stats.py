@@ -18,7 +18,12 @@ class TransferStats:
     dropped_frames: int = 0          # malformed or unauthenticated
     dropped_unexpected: int = 0      # well-formed, for a transfer not expected (old attempt, other P, unknown)
     handshakes_rejected: int = 0
-    latency_seconds_sum: float = 0.0  # D: pull request -> KV in place
+    transfers_resumed: int = 0       # D: pulls asked for again after a reconnect or a silence; P: resends
+    transfers_stalled: int = 0       # D: pulls given up after --kv-deadline-s without progress
+    reconnects: int = 0              # D: KV connections to a prefill that came back after a break
+    # D: P sending the first KV byte -> the last one landing here (not the prefill before it); every
+    # byte is counted once on each side (hidden states included), resends again on P's.
+    latency_seconds_sum: float = 0.0
     latency_seconds_count: int = 0
     layers_received: int = 0         # D: layer-wise messages written into KV memory
     handoff_seconds_sum: float = 0.0  # D: P done with the last KV layer's forward -> the first step here

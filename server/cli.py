@@ -354,10 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_flag(p, "--name", str, None, f"unique instance name (default {role}-HOSTNAME)")
         add_flag(p, "--server-addr", str, "tcp://127.0.0.1:5500", "connect: the front end's engine socket")
         add_flag(p, "--kv-addr", str, "", "prefill: bind address of the KV port (default tcp://127.0.0.1:random)")
-        add_flag(p, "--kv-advertise", str, "", "prefill: KV address decode instances dial (default: derived)")
+        add_flag(p, "--kv-advertise", str, "",
+                 "prefill: KV address decode instances dial, e.g. tcp://{ip}:5700 ({ip}: this host's routable "
+                 "address; default: derived from --kv-addr, never loopback for a 0.0.0.0 bind)")
         add_flag(p, "--kv-key", str, "", "shared key required on the KV port")
         add_flag(p, "--kv-lease-s", float, 30.0, "prefill: free held KV blocks after this long without the decode side")
-        add_flag(p, "--kv-deadline-s", float, 60.0, "decode: give up a KV transfer after this long")
+        add_flag(p, "--kv-deadline-s", float, KVTransferConfig.deadline_s,
+                 "decode: give up a KV transfer that made no progress for this long (one still receiving never)")
         add_flag(p, "--kv-reserve-deadline-s", float, 20.0,
                  "decode: fail a request (retryable) that got no KV blocks within this long")
         add_kv_payload_flags(p, "prefill: ", "prefill: checksum every KV payload (xxh3); decode verifies any it gets")

@@ -57,7 +57,7 @@ class InstanceStatus(msgspec.Struct):
     transfer_bytes_total: float          # KV bytes sent (P) or received (D) so far
     transfer_bytes_per_s: float | None   # None until two samples are far enough apart
     transfers: float                     # transfers sent (P) or received (D) so far
-    transfer_latency_mean_s: float | None  # D: pull request -> KV in place, mean so far
+    transfer_latency_mean_s: float | None  # D: P's first KV byte sent -> the last one in place, mean so far
     acceptance_per_pos: list[float]      # D with speculation: accepted at position i / verify steps
 
 

@@ -89,7 +89,7 @@ class LocalCompose:
             owner = host if host in self.spec else service  # tcp://server:5500 belongs to `server`
             return f"tcp://127.0.0.1:{self.port(owner, port)}"
 
-        value = re.sub(r"tcp://([\w.-]+):(\d+)", addr, value)
+        value = re.sub(r"tcp://([\w.{}-]+):(\d+)", addr, value)  # {ip}: the prefill's own address
         value = re.sub(r"http://127\.0\.0\.1:(\d+)",
                        lambda m: f"http://127.0.0.1:{self.port(service, int(m.group(1)))}", value)
         return value.replace("/app/models/pdserve-tiny", self.model)
