@@ -57,7 +57,9 @@ def test_decode_re_handshakes_with_a_prefill_restarted_at_the_same_address(tmp_p
             assert [d.req_id for d in done] == ["r2"] and not failed, (done, failed)
             assert seconds < 5.0  # far inside the 60 s deadline: no hang
             assert torch.equal(dst[:, :, 2:4], src2[:, :, 2:4])
-            assert second.stats.dropped_frames >= 1  # the stale pull was refused, then retried after Hello
+            # Either D saw the reconnect and said Hello before pulling, or its stale pull was refused
+            # and retried after Hello: which comes first is a race between D's monitor and its pull.
+            assert receiver.stats.reconnects >= 1 or second.stats.dropped_frames >= 1
             deadline = time.monotonic() + 5
             while len(released) < 2 and time.monotonic() < deadline:
                 second.poll()
