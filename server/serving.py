@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from engine.types import FinishReason, GrammarSpec, SamplingParams, TokenLogprobs
+from engine.types import MAX_LOGPROBS, FinishReason, GrammarSpec, SamplingParams, TokenLogprobs
 from engine.validation import InputError, check_prompt, check_token_ids, resolve_max_tokens
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenTexts
 from server.errors import APIError, bad_request
 from server.metrics import ServerMetrics
 from server.openai_schemas import (
-    MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
     ChatMessage,
@@ -260,7 +259,7 @@ class Serving:
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k is None else req.top_k,
+                top_k=self._top_k(req.top_k),
                 min_p=0.0 if req.min_p is None else req.min_p,
                 seed=seed,
                 stop_token_ids=list(req.stop_token_ids or []),
@@ -275,6 +274,13 @@ class Serving:
             )
         except (ValueError, TypeError) as exc:
             raise bad_request(exc) from None
+
+    def _top_k(self, top_k: int | None) -> int:
+        """top_k as the engine takes it: as in vLLM, a k that covers the whole vocabulary is no
+        top-k at all (0: off), whatever its size; below -1 SamplingParams refuses it."""
+        if top_k is None or top_k >= self.client.vocab_size:
+            return 0
+        return top_k
 
     def check_common(self, req: CompletionRequest | ChatCompletionRequest) -> list[str]:
         """Checks shared by both endpoints; returns the stop strings."""
