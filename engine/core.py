@@ -18,7 +18,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.request import Request
 from engine.types import SamplingParams
-from engine.validation import check_prompt, check_resumed_outputs
+from engine.validation import check_prompt, check_resumed_outputs, check_token_ids
 from kv_transfer.connector import KVConnector
 from scheduler.block_manager import BlockManager
 from scheduler.output import SchedulerOutput
@@ -88,6 +88,7 @@ class EngineCore:
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.config.max_model_len)
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
+        check_token_ids(params.stop_token_ids, self.model_config.vocab_size, "stop_token_ids")
         if params.grammar is not None:  # compiled (and cached) here, off the step: a bad one is refused
             try:
                 self.runner.grammar.compiler.compile(params.grammar)

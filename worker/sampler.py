@@ -13,6 +13,10 @@ every other stage is row-wise. Its token therefore depends only on its seed, its
 generator's history and its own logits -- never on the batch size, its position
 in the batch or the other rows. Rows without a generator draw from the sampler's
 default generator (by inverse CDF, one uniform each).
+
+Non-finite logits follow worker/fused_ops.py's rule (NaN as -inf, +inf as the largest float32,
+applied after temperature; a row with no finite logit gives token 0), so every stage's ids are in
+[0, vocab) whatever the model or the request's settings produced.
 """
 from __future__ import annotations
 
@@ -383,7 +387,8 @@ class Sampler:
                 return one_hot
             # Greedy rows divide by 1 (their values are replaced by the one-hot below).
             temperature = torch.where(greedy, torch.ones_like(meta.temperature), meta.temperature)
-        logits = logits / temperature.to(logits.dtype).unsqueeze(1)
+        # (a penalty or a small temperature can overflow to inf, and inf - inf is NaN)
+        logits = fused_ops.finite_logits(logits / temperature.to(logits.dtype).unsqueeze(1))
 
         if not (meta.no_top_k and meta.no_top_p):
             logits = self._apply_top_k_top_p(logits, meta)
@@ -394,7 +399,8 @@ class Sampler:
             threshold = max_logit + torch.log(meta.min_p.to(logits.dtype)).unsqueeze(1)
             logits = logits.masked_fill(logits < threshold, float("-inf"))
 
-        probs = torch.softmax(logits, dim=-1)
+        # A row with no finite logit is NaN after the softmax: it gets no mass at all (token 0).
+        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
         return probs if greedy is None else torch.where(greedy.unsqueeze(1), one_hot, probs)
 
     @staticmethod
@@ -452,6 +458,9 @@ class Sampler:
             # ever put u * total at the total: a banned or masked token must never come out)
             tokens = torch.minimum(torch.searchsorted(cdf, u * total, right=True),
                                    torch.searchsorted(cdf, total)).squeeze(1)
+            # A total that is NaN (NaN given as a probability) finds no place in the cdf: index V,
+            # which is no token. Token 0 then, as for a row of no mass (compute_probs never gives NaN).
+            tokens = tokens.masked_fill_(tokens >= vocab, 0)
             if len(unkeyed) == num_rows:
                 return tokens
             sampled[torch.tensor(unkeyed, device=probs.device)] = tokens
