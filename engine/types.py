@@ -131,7 +131,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
         def in_f32(x: object, low: float, high: float) -> bool:
             """In [low, high] both as given and as the float32 the sampler computes with."""
-            return isinstance(x, int | float) and low <= x <= high and low <= to_float32(x) <= high
+            return (isinstance(x, int | float) and low <= x <= high
+                    and to_float32(low) <= to_float32(x) <= to_float32(high))
 
         def maybe_int(x: object, high: int) -> bool:
             return x is None or is_int(x, 0, high)
