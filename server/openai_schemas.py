@@ -103,16 +103,20 @@ class TextPart(_Body):
     text: StrictStr
 
 
+# The roles a chat template knows; anything else (say "system<|im_end|>...") is refused.
+ChatRole = Literal["system", "user", "assistant", "tool", "developer"]
+
+
 class ChatMessage(_Body):
-    role: StrictStr
+    role: ChatRole
     content: StrictStr | list[dict[str, Any]] | None = None
-    name: str | None = None
+    name: str | None = Field(None, max_length=256)
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None                 # a tool turn: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: Int64 | None = None
@@ -127,17 +131,17 @@ class ChatCompletionRequest(_SamplingFields):
 
 class TokenizeCompletionRequest(_Body):
     model: str | None = None
-    prompt: StrictStr
+    prompt: StrictStr = Field(..., max_length=MAX_TOKENIZE_CHARS)
     add_special_tokens: bool = True
 
 
 class TokenizeChatRequest(_Body):
     model: str | None = None
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: list[TokenId] = Field(..., max_length=MAX_DETOKENIZE_IDS)

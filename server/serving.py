@@ -22,6 +22,7 @@ from fastapi import Request
 
 from engine.types import MAX_LOGPROBS, FinishReason, GrammarSpec, SamplingParams, TokenLogprobs
 from engine.validation import InputError, check_prompt, check_token_ids, resolve_max_tokens
+from server.chat_template import UnsafeChatInput, render_chat_ids
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenTexts
 from server.errors import APIError, bad_request
 from server.metrics import ServerMetrics
@@ -236,15 +237,13 @@ class Serving:
                 if getattr(m, key) is not None:
                     msg[key] = getattr(m, key)
             conversation.append(msg)
-        try:
-            text = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message)
+        try:  # (special-token text in the client's strings stays text: server/chat_template.py)
+            return render_chat_ids(self.tokenizer, conversation, tools, add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message)
+        except UnsafeChatInput as exc:
+            raise APIError(400, str(exc), param=exc.path) from None
         except Exception as exc:  # template errors (bad roles, flag combinations) are input errors
             raise APIError(400, f"messages: cannot apply the chat template: {exc}", param="messages") from None
-        if not isinstance(text, str):
-            raise APIError(400, "messages: the chat template did not produce text", param="messages")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     # -- sampling parameters -------------------------------------------------------------
 
