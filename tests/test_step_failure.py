@@ -93,3 +93,37 @@ def test_an_out_of_vocabulary_token_fails_the_step(llm, monkeypatch):
     assert [(u.req_id, u.finish_reason, u.new_token_ids) for u in failed] == [("bad", FinishReason.ERROR, [])]
     assert "outside the vocabulary" in failed[0].error
     assert llm.generate([prompt], GREEDY)[0].token_ids == llm.generate([prompt], GREEDY)[0].token_ids
+
+
+@pytest.mark.parametrize("mode,instance", [("colocated", "colocated-0"), ("pd", "prefill-0"), ("pd", "decode-0")])
+def test_a_failing_step_over_http(tmp_path, mode, instance):
+    """One step of `instance` raises: its request gets an error answer, nobody is declared dead,
+    and the next request is served exactly as before."""
+    import httpx
+    from conftest import BUNDLED_MODEL
+    from http_harness import served
+
+    body = {"prompt": [5, 17, 300, 42, 9], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    with served(tmp_path, mode, None, "m", model=str(BUNDLED_MODEL), max_model_len=128, block_size=16,
+                speculative_method="mtp", num_speculative_tokens=2) as s, \
+            httpx.Client(base_url=s.url, timeout=60) as http:
+        before = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+        runner = s.engines[instance].core.runner
+        original, calls = runner._sample, []
+
+        def fails_once(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("injected fault")
+            return original(*args, **kwargs)
+
+        runner._sample = fails_once
+        try:
+            r = http.post("/v1/completions", json=body)
+        finally:
+            runner._sample = original
+        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"], r.text
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == before
+        assert http.get("/health").status_code == 200
+        assert all(not e.stopping for e in s.engines.values())
