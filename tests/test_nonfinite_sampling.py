@@ -69,27 +69,33 @@ SETTINGS = {
 }
 
 
+# The torch paths on a GPU too, where there is one (the C++ ops are CPU-only).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
 def meta_for(rows: int, temperature: float, seeded: bool = False, repetition_penalty: float = 1.0,
-             **filters) -> SamplingMetadata:
-    gens = [make_generator(100 + r) for r in range(rows)] if seeded else None
+             device: str = "cpu", **filters) -> SamplingMetadata:
+    gens = [make_generator(100 + r, device) for r in range(rows)] if seeded else None
     lists = {k: [v] * rows for k, v in filters.items()}
     return SamplingMetadata.from_lists([temperature] * rows, generators=gens,
                                        repetition_penalty=[repetition_penalty] * rows,
                                        prompt_token_ids=[[1, 2, 3, 5]] * rows, output_token_ids=[[3, 7]] * rows,
-                                       max_num_logprobs=2, **lists)
+                                       max_num_logprobs=2, device=device, **lists)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_sampler_paths_stay_in_vocab(setting):
+def test_sampler_paths_stay_in_vocab(setting, device):
     logits, allowed = hostile_logits()
+    logits = logits.to(device)
     settings = dict(SETTINGS[setting])
     if setting in ("huge temperature", "tiny penalty"):
         # softmax(x / inf) is uniform over the finite logits; a zero penalty multiplies seen
         # negative logits by 0 and divides positive ones to +inf: only the range is asserted
         allowed = [None] * len(allowed)
-    sampler = Sampler(seed=1)
+    sampler = Sampler(seed=1, device=device)
     for _ in range(20):
-        out = sampler(logits, meta_for(logits.shape[0], **settings))
+        out = sampler(logits, meta_for(logits.shape[0], device=device, **settings))
         check(out.sampled_token_ids, allowed)
         assert out.logprobs.token_ids.min() >= 0 and out.logprobs.token_ids.max() < V
 
