@@ -375,7 +375,23 @@ class Sampler:
         Random rows: softmax(logits / T) restricted by top-k, then top-p, then min-p,
         renormalised. Greedy rows: a one-hot at the argmax of the logits.
         Ties at the k-th largest value are all kept by top-k.
+
+        Non-finite logits (module docstring): a NaN or +inf logit after the temperature -- a penalty
+        or a small temperature can overflow --, or a row with no finite logit, makes the softmax's
+        sum and so its whole row NaN. On a CPU one look at each row's first probability finds
+        them, and only then (rarely) is the batch computed again under the rule; elsewhere the
+        rule is applied every time, as that look would cost a device sync.
         """
+        if logits.device.type != "cpu":
+            return self._probs(logits, meta, finite=True)
+        probs = self._probs(logits, meta, finite=False)
+        if bool(probs[:, 0].isnan().any()):
+            probs = self._probs(logits, meta, finite=True)
+        return probs
+
+    def _probs(self, logits: torch.Tensor, meta: SamplingMetadata, finite: bool) -> torch.Tensor:
+        """compute_probs, `finite`: under the non-finite rule (NaN as -inf, +inf as the largest
+        float32; a row with no finite logit gets no mass at all, so it draws token 0)."""
         logits = logits.float()
         if meta.no_greedy:
             one_hot = greedy = None
@@ -387,8 +403,9 @@ class Sampler:
                 return one_hot
             # Greedy rows divide by 1 (their values are replaced by the one-hot below).
             temperature = torch.where(greedy, torch.ones_like(meta.temperature), meta.temperature)
-        # (a penalty or a small temperature can overflow to inf, and inf - inf is NaN)
-        logits = fused_ops.finite_logits(logits / temperature.to(logits.dtype).unsqueeze(1))
+        logits = logits / temperature.to(logits.dtype).unsqueeze(1)
+        if finite:
+            logits = fused_ops.finite_logits(logits)
 
         if not (meta.no_top_k and meta.no_top_p):
             logits = self._apply_top_k_top_p(logits, meta)
@@ -399,8 +416,9 @@ class Sampler:
             threshold = max_logit + torch.log(meta.min_p.to(logits.dtype)).unsqueeze(1)
             logits = logits.masked_fill(logits < threshold, float("-inf"))
 
-        # A row with no finite logit is NaN after the softmax: it gets no mass at all (token 0).
-        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+        probs = torch.softmax(logits, dim=-1)
+        if finite:
+            probs = probs.nan_to_num_(0.0)
         return probs if greedy is None else torch.where(greedy.unsqueeze(1), one_hot, probs)
 
     @staticmethod

@@ -260,12 +260,21 @@ at::Tensor rejection_verify(const at::Tensor& logits, const at::Tensor& temperat
   const float* t = temperature.data_ptr<float>();
   for (int64_t r = 0, pos = 0; r < R; pos += nd[r] + 1, ++r)
     std::fill(temps.data_ptr<float>() + pos, temps.data_ptr<float>() + pos + nd[r] + 1, t[r]);
-  // Non-finite logits (fused_ops.py, "non-finite logits"): NaN counts as -inf, +inf as the largest
-  // float (such tokens share the mass); a position with no finite logit has no mass at all (its
-  // softmax, NaN, becomes zeros), so inverse_cdf gives token 0 there.
-  const at::Tensor scaled = at::nan_to_num(logits / temps, -std::numeric_limits<double>::infinity(),
-                                           std::numeric_limits<float>::max(), -std::numeric_limits<double>::infinity());
-  const at::Tensor probs = at::nan_to_num(at::softmax(scaled, 1), 0.0, 0.0, 0.0);
+  at::Tensor scaled = logits / temps;
+  at::Tensor probs = at::softmax(scaled, 1);
+  // Non-finite logits (fused_ops.py, "non-finite logits"): a NaN or +inf logit, or a row without a
+  // finite one, makes the softmax's sum and so its whole row NaN -- one look per row finds them. Then
+  // (rarely) again with NaN as -inf and +inf as the largest float (such tokens share the mass); a row
+  // with no finite logit has no mass at all (zeros), so inverse_cdf gives token 0 there.
+  const int64_t positions = probs.size(0);
+  const float* first = probs.data_ptr<float>();
+  for (int64_t p = 0; p < positions; ++p) {
+    if (first[p * V] != first[p * V]) {
+      const double inf = std::numeric_limits<double>::infinity();
+      probs = at::softmax(scaled.nan_to_num_(-inf, std::numeric_limits<float>::max(), -inf), 1).nan_to_num_(0., 0., 0.);
+      break;
+    }
+  }
   const float* pp = probs.data_ptr<float>();
   const float* fu = final_u.data_ptr<float>();
   const int32_t* dp = drafts.data_ptr<int32_t>();
