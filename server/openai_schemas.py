@@ -23,6 +23,7 @@ from engine.types import INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS
 MAX_N = 64
 MAX_STOP_STRINGS = 16
 MAX_MESSAGES = 4096       # chat turns in one request
+MAX_TOOLS = 256           # tool definitions in one request
 MAX_TOKENIZE_CHARS = 1_000_000  # /tokenize text (a 4 MiB body could hold 4M characters)
 MAX_DETOKENIZE_IDS = 131_072    # /detokenize token ids
 
@@ -111,7 +112,7 @@ class ChatMessage(_Body):
     role: ChatRole
     content: StrictStr | list[dict[str, Any]] | None = None
     name: str | None = Field(None, max_length=256)
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)  # an assistant turn that called tools
     tool_call_id: str | None = None                 # a tool turn: the call it answers
 
 
@@ -121,7 +122,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None  # checked by server/tool_calls.py (errors name tools[i])
+    tools: list[Any] | None = Field(None, max_length=MAX_TOOLS)  # checked by server/tool_calls.py (tools[i])
     tool_choice: Any = None
     parallel_tool_calls: bool = True
     # vLLM extensions
