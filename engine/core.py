@@ -49,7 +49,6 @@ class StepTimes:
     failed_steps: int = 0   # steps whose runner raised (their requests failed, see EngineCore._fail_step)
 
 
-
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.model_config = ModelConfig.from_dir(config.model)
@@ -159,9 +158,10 @@ class EngineCore:
         """execute_model raised: end every request of the step with a (not retryable) error.
 
         What the runner did before it raised is unknown -- slots admitted, tokens written back, KV
-        written -- so nothing of it is trusted: the requests are finished here (their blocks freed,
-        uncached), and their slots, with those the step was to free, are freed at the start of the
-        next step (the runner's removals are idempotent, and admission resets a slot entirely, I2).
+        written -- so nothing of it is trusted: the requests are finished here (their blocks freed;
+        nothing of this step enters the prefix cache), and their slots, with those the step was to
+        free, are freed at the start of the next step (the runner's removals are idempotent, and
+        admission resets a slot entirely, I2).
         Requests outside the step never entered the runner's hands and go on untouched."""
         req_ids = list(sched.num_scheduled_tokens)
         logger.exception("a step of %d requests failed; failing them: %s", len(req_ids), req_ids)
