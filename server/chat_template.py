@@ -6,7 +6,8 @@ their own turn and write a system one. Here every string the client supplied (me
 names, tool call ids and arguments, tool definitions) that holds special-token text is rendered
 as a placeholder; the template's own text between placeholders is tokenized with special tokens
 on, and the client's strings with them split into ordinary text (`split_special_tokens`), as
-safe chat templates do. A conversation without such text tokenizes exactly as before.
+safe chat templates do (at the edges of those strings the text may split into tokens other than
+one encoding of the whole would give). A conversation without such text tokenizes exactly as before.
 
 Where the template does not render a string verbatim (it escapes or transforms it), the
 placeholders cannot be mapped back: such a request is refused with a 400 naming the string.
@@ -75,6 +76,9 @@ def render_chat_ids(tokenizer, conversation: list[dict], tools: list[dict] | Non
                if any(t in s for t in specials)]
     if not tainted:
         return list(tokenizer.encode(text, add_special_tokens=False))
+    if _OPEN in text:  # the client wrote our placeholder marker too: the pieces could not be told apart
+        path, s = tainted[0]
+        raise UnsafeChatInput(path, next(t for t in specials if t in s))
     index = {s: i for i, (_, s) in enumerate(tainted)}
 
     def placeholder(s: str) -> str:
