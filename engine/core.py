@@ -3,7 +3,8 @@
 `receive_kv()` takes in the KV transfers that landed (PD), `step()` reads like the design:
 schedule -> execute -> update.
 Input validation lives in `add_request`, so bad input raises a ValueError before it can touch
-running requests.
+running requests. Whatever still goes wrong while a batch runs (an exception in the runner, such
+as a sampled id outside the vocabulary) fails the requests of that batch, never the process.
 """
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.request import Request
 from engine.types import SamplingParams
-from engine.validation import check_prompt, check_resumed_outputs
+from engine.validation import check_prompt, check_resumed_outputs, check_token_ids
 from kv_transfer.connector import KVConnector
 from scheduler.block_manager import BlockManager
+from scheduler.output import SchedulerOutput
 from scheduler.scheduler import RequestUpdate, Scheduler, SpecDecodeStats
+from worker.invariants import InvariantViolation
 from worker.kv_tap import KVTap
 from worker.model_runner import ModelRunner
 
@@ -43,6 +46,7 @@ class StepTimes:
     steps: int = 0
     step_s: float = 0.0     # schedule + execute + update
     forward_s: float = 0.0  # the runner: inputs, model forward, sampling, drafting
+    failed_steps: int = 0   # steps whose runner raised (their requests failed, see EngineCore._fail_step)
 
 
 class EngineCore:
@@ -99,6 +103,7 @@ class EngineCore:
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.config.max_model_len)
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
+        check_token_ids(params.stop_token_ids, self.model_config.vocab_size, "stop_token_ids")
         if params.grammar is not None:  # compiled (and cached) here, off the step: a bad one is refused
             try:
                 self.runner.grammar.compiler.compile(params.grammar)
@@ -151,7 +156,12 @@ class EngineCore:
         if sched.new_requests:
             self.connector.on_scheduled([new.req_id for new in sched.new_requests])
         forward_start = time.perf_counter()
-        result = self.runner.execute_model(sched)
+        try:
+            result = self.runner.execute_model(sched)
+        except InvariantViolation:  # a bug in the engine's own bookkeeping (debug checks): never hidden
+            raise
+        except Exception as exc:  # one batch's failure, not the engine's: its requests end, the loop goes on
+            return self._fail_step(sched, exc)
         forward_end = time.perf_counter()
         updates = self.scheduler.update_from_output(sched, result)
         times = self.step_times
@@ -159,6 +169,23 @@ class EngineCore:
         times.forward_s += forward_end - forward_start
         times.step_s += time.perf_counter() - start
         return updates
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestUpdate]:
+        """execute_model raised: end every request of the step with a (not retryable) error.
+
+        What the runner did before it raised is unknown -- slots admitted, tokens written back, KV
+        written -- so nothing of it is trusted: the requests are finished here (their blocks freed;
+        nothing of this step enters the prefix cache), and their slots, with those the step was to
+        free, are freed at the start of the next step (the runner's removals are idempotent, and
+        admission resets a slot entirely, I2).
+        Requests outside the step never entered the runner's hands and go on untouched."""
+        req_ids = list(sched.num_scheduled_tokens)
+        logger.exception("a step of %d requests failed; failing them: %s", len(req_ids), req_ids)
+        error = f"the engine failed to run this request's batch: {type(exc).__name__}: {exc}"
+        updates = [self.scheduler.fail_request(req_id, error) for req_id in req_ids]
+        self.scheduler.free_slots_again(sched.finished_req_ids | sched.preempted_req_ids)
+        self.step_times.failed_steps += 1
+        return [u for u in updates if u is not None]
 
     def receive_kv(self) -> list[RequestUpdate]:
         """KV transfers that finished since the last call: loaded requests may run from the next

@@ -7,8 +7,35 @@ msgspec structs so they travel typed on the server <-> engine wire.
 from __future__ import annotations
 
 import enum
+import math
+import struct
 
 import msgspec
+
+# Bounds on what a request may ask for. Every field is checked where a SamplingParams is built
+# (the HTTP front end, the offline API) and again where the engine decodes one from the wire, so
+# nothing outside them reaches the sampler's tensors (int32 top-k and token ids, float32 floats).
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# vLLM has no upper bound on the temperature; a float32 beyond ~3.4e38 is inf, and inf turns the
+# logits into NaN. 100 already flattens any distribution to uniform within float32 rounding.
+MAX_TEMPERATURE = 100.0
+# A seen token's logit is divided (or multiplied) by the penalty: outside these bounds ordinary
+# logits leave float32's range (1e-40 is 0 in float32: vLLM's `> 0` check lets that through).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20
+_FLT_MAX = 3.4028234663852886e38
+
+
+def to_float32(x: float) -> float:
+    """`x` as a float32 tensor holds it: inf beyond float32's range, 0 or subnormal when tiny."""
+    if math.isnan(x) or abs(x) > _FLT_MAX:
+        return x if math.isnan(x) else math.copysign(math.inf, x)
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # rounds past FLT_MAX
+        return math.copysign(math.inf, x)
 
 
 class EngineRole(enum.StrEnum):
@@ -99,26 +126,37 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         self.stop_token_ids = list(self.stop_token_ids or [])
 
     def _checks(self) -> list[tuple[str, bool, str]]:
-        def is_int(x: object) -> bool:
-            return isinstance(x, int)
+        def is_int(x: object, low: int = 0, high: int = INT32_MAX) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and low <= x <= high
 
+        def in_f32(x: object, low: float, high: float) -> bool:
+            """In [low, high] both as given and as the float32 the sampler computes with."""
+            return (isinstance(x, int | float) and low <= x <= high
+                    and to_float32(low) <= to_float32(x) <= to_float32(high))
+
+        def maybe_int(x: object, high: int) -> bool:
+            return x is None or is_int(x, 0, high)
+
+        stops = self.stop_token_ids
         return [
-            ("max_tokens", is_int(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1"),
-            ("temperature", self.temperature >= 0, ">= 0"),
-            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", is_int(self.top_k) and self.top_k >= 0, "0/-1 (off) or a positive integer"),
-            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
-            ("min_tokens", is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            ("max_tokens", is_int(self.max_tokens, 1), f"an integer in [1, {INT32_MAX}]"),
+            ("temperature", in_f32(self.temperature, 0.0, MAX_TEMPERATURE), f"in [0, {MAX_TEMPERATURE:g}]"),
+            ("top_p", in_f32(self.top_p, 0.0, 1.0) and to_float32(self.top_p) > 0, "in (0, 1] (as a float32)"),
+            ("top_k", is_int(self.top_k), f"0/-1 (off) or an integer in [1, {INT32_MAX}]"),
+            ("min_p", in_f32(self.min_p, 0.0, 1.0), "in [0, 1]"),
+            ("min_tokens", is_int(self.min_tokens) and self.min_tokens <= self.max_tokens,
              "an integer in [0, max_tokens]"),
-            ("logprobs", self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-             "None or an integer in [0, 20]"),
-            ("prompt_logprobs",
-             self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
-             "None or an integer in [0, 20]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
-            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
-            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
-            ("seed", self.seed is None or is_int(self.seed), "None or an integer"),
+            ("logprobs", maybe_int(self.logprobs, MAX_LOGPROBS), f"None or an integer in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", maybe_int(self.prompt_logprobs, MAX_LOGPROBS),
+             f"None or an integer in [0, {MAX_LOGPROBS}]"),
+            ("repetition_penalty", in_f32(self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
+             f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]"),
+            ("frequency_penalty", in_f32(self.frequency_penalty, -2.0, 2.0), "in [-2, 2]"),
+            ("presence_penalty", in_f32(self.presence_penalty, -2.0, 2.0), "in [-2, 2]"),
+            ("seed", self.seed is None or is_int(self.seed, INT64_MIN, INT64_MAX),
+             f"None or an integer in [{INT64_MIN}, {INT64_MAX}]"),
+            ("stop_token_ids", stops is None or (len(stops) <= MAX_STOP_TOKEN_IDS and all(is_int(t) for t in stops)),
+             f"at most {MAX_STOP_TOKEN_IDS} token ids, each in [0, {INT32_MAX}]"),
             # A grammar ends the output at EOS once it is complete: neither may hold EOS back.
             ("ignore_eos", not (self.ignore_eos and self.grammar is not None), "false with a grammar "
              "(response_format / tool_choice)"),

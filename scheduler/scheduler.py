@@ -119,6 +119,21 @@ class Scheduler:
         self._finish(request, FinishReason.ABORT)
         return True
 
+    def fail_request(self, req_id: str, error: str) -> RequestUpdate | None:
+        """End a request with a (not retryable) error: its step failed (EngineCore._fail_step)."""
+        request = self.requests.pop(req_id, None)
+        if request is None or request.is_finished:
+            return None
+        self._finish(request, FinishReason.ERROR)
+        # Its slot goes whether it was running or, for a step that failed while admitting it, not.
+        self._finished_ids.add(req_id)
+        return RequestUpdate(req_id, [], [], FinishReason.ERROR, error=error, transfer_id=request.kv_transfer_id)
+
+    def free_slots_again(self, req_ids: set[str]) -> None:
+        """Have the runner free these requests' slots (again) at the next step: a failed step may
+        have stopped before it did."""
+        self._finished_ids |= req_ids
+
     def has_unfinished(self) -> bool:
         """Work for the next step: running requests, or waiting ones that need no KV from elsewhere."""
         return bool(self.running) or any(not r.kv_source for r in self.waiting)

@@ -5,9 +5,9 @@ not), GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokeniz
 status page GET /status with its GET /status.json (server/status.py). Each route
 is a few lines over the serving layer (server/serving.py, completions.py, chat.py).
 
-Order of checks on /v1 generation routes: API key (401) -> capacity (429 + Retry-After) ->
-body size (413, before parsing) -> UTF-8 / JSON / schema (400) -> model name (404) -> prompt
-and sampling parameters (400). Bad input always ends in a 4xx with an OpenAI error body; a 500
+Order of checks on /v1 generation routes, /tokenize and /detokenize: API key (401) -> capacity
+(429 + Retry-After) -> body size (413, before parsing) -> UTF-8 / JSON / schema (400) -> model
+name (404) -> prompt and sampling parameters (400). Bad input always ends in a 4xx with an OpenAI error body; a 500
 only ever means a bug, and is counted in `app.state.internal_errors`.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -98,6 +99,17 @@ class _Gate:
     async def json(self, request: Request):
         return parse_json(await read_body(request, self.max_body_bytes))
 
+    @asynccontextmanager
+    async def slot(self, request: Request) -> AsyncIterator[dict]:
+        """Auth and a serving slot (429 at capacity), held while the body is parsed and answered:
+        /tokenize and /detokenize are work the front end does, and count as requests in flight."""
+        self.check_auth(request)
+        release = self.serving.acquire()
+        try:
+            yield await self.json(request)
+        finally:
+            release()
+
     async def admit(self, request: Request, model, handler) -> Response:
         """Auth, a serving slot, the parsed body, then `handler`: it owns the slot's `release` from
         there (a stream releases it when it ends); anything failing before that releases it here."""
@@ -170,20 +182,21 @@ def _add_other_routes(app: FastAPI, gate: _Gate, serving: Serving, client: Engin
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        data = await gate.json(request)
-        if "messages" in data:
-            chat: TokenizeChatRequest = parse_model(TokenizeChatRequest, data)
-            serving.check_model(chat.model)
-            ids = serving.render_chat(chat.messages, chat.add_generation_prompt, chat.continue_final_message)
-        else:
-            plain: TokenizeCompletionRequest = parse_model(TokenizeCompletionRequest, data)
-            serving.check_model(plain.model)
-            ids = serving.encode(plain.prompt, plain.add_special_tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=client.max_model_len, tokens=ids,
-                                token_strs=serving.token_strs(ids)).body()
+        async with gate.slot(request) as data:
+            if "messages" in data:
+                chat: TokenizeChatRequest = parse_model(TokenizeChatRequest, data)
+                serving.check_model(chat.model)
+                ids = serving.render_chat(chat.messages, chat.add_generation_prompt, chat.continue_final_message)
+            else:
+                plain: TokenizeCompletionRequest = parse_model(TokenizeCompletionRequest, data)
+                serving.check_model(plain.model)
+                ids = serving.encode(plain.prompt, plain.add_special_tokens)
+            return TokenizeResponse(count=len(ids), max_model_len=client.max_model_len, tokens=ids,
+                                    token_strs=serving.token_strs(ids)).body()
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        req: DetokenizeRequest = parse_model(DetokenizeRequest, await gate.json(request))
-        serving.check_model(req.model)
-        return DetokenizeResponse(prompt=serving.detokenize(req.tokens, "tokens")).body()
+        async with gate.slot(request) as data:
+            req: DetokenizeRequest = parse_model(DetokenizeRequest, data)
+            serving.check_model(req.model)
+            return DetokenizeResponse(prompt=serving.detokenize(req.tokens, "tokens")).body()

@@ -35,8 +35,6 @@ def _choices(serving: Serving, req: CompletionRequest, arrival: float) -> tuple[
     check_logprobs_count(req.logprobs, "logprobs")
     grammar = response_format_grammar(req.response_format)
     prompts = _prompts(serving, req)
-    if len(prompts) * req.n > MAX_CHOICES:
-        raise APIError(400, f"n: prompts x n must be at most {MAX_CHOICES}", param="n")
     request_id = serving.new_request_id("cmpl")
     choices: list[Choice] = []
     for p_idx, ids in enumerate(prompts):
@@ -64,6 +62,8 @@ def _prompts(serving: Serving, req: CompletionRequest) -> list[list[int]]:
         raw = [p]
     else:
         raw = list(p)
+    if len(raw) * req.n > MAX_CHOICES:  # before tokenizing what could be a million prompts
+        raise APIError(400, f"n: prompts x n must be at most {MAX_CHOICES}", param="n")
     out = []
     for i, item in enumerate(raw):
         param = "prompt" if len(raw) == 1 else f"prompt[{i}]"

@@ -8,6 +8,9 @@ Policy on fields, made explicit:
   with a 400 naming the field rather than silently ignored.
 - NaN and infinities are refused everywhere (`allow_inf_nan=False`); token ids must be JSON
   integers (no floats, strings or booleans).
+- Every integer field is a 64-bit integer (a 400 naming the field otherwise: the engine message is
+  msgpack, which has no bigger ones); the sampling bounds proper (temperature, top_k, penalties,
+  ...) are SamplingParams' (engine/types.py), which the engine checks again on its side.
 """
 from __future__ import annotations
 
@@ -15,12 +18,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+from engine.types import INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS
+
 MAX_N = 64
-MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_MESSAGES = 4096       # chat turns in one request
+MAX_TOOLS = 256           # tool definitions in one request
+MAX_TOKENIZE_CHARS = 1_000_000  # /tokenize text (a 4 MiB body could hold 4M characters)
+MAX_DETOKENIZE_IDS = 131_072    # /detokenize token ids
 
 TokenId = StrictInt
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX - MAX_N)]
 
 
@@ -37,11 +45,11 @@ class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    best_of: int | None = None
+    best_of: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
@@ -51,12 +59,12 @@ class _SamplingFields(_Body):
     seed: Seed | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
@@ -86,7 +94,7 @@ class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
     response_format: ResponseFormat | None = None
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Int64 | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -96,21 +104,25 @@ class TextPart(_Body):
     text: StrictStr
 
 
+# The roles a chat template knows; anything else (say "system<|im_end|>...") is refused.
+ChatRole = Literal["system", "user", "assistant", "tool", "developer"]
+
+
 class ChatMessage(_Body):
-    role: StrictStr
+    role: ChatRole
     content: StrictStr | list[dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    name: str | None = Field(None, max_length=256)
+    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)  # an assistant turn that called tools
     tool_call_id: str | None = None                 # a tool turn: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None  # checked by server/tool_calls.py (errors name tools[i])
+    tools: list[Any] | None = Field(None, max_length=MAX_TOOLS)  # checked by server/tool_calls.py (tools[i])
     tool_choice: Any = None
     parallel_tool_calls: bool = True
     # vLLM extensions
@@ -120,17 +132,17 @@ class ChatCompletionRequest(_SamplingFields):
 
 class TokenizeCompletionRequest(_Body):
     model: str | None = None
-    prompt: StrictStr
+    prompt: StrictStr = Field(..., max_length=MAX_TOKENIZE_CHARS)
     add_special_tokens: bool = True
 
 
 class TokenizeChatRequest(_Body):
     model: str | None = None
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: list[TokenId] = Field(..., max_length=MAX_DETOKENIZE_IDS)

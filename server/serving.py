@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from engine.types import FinishReason, GrammarSpec, SamplingParams, TokenLogprobs
+from engine.types import MAX_LOGPROBS, FinishReason, GrammarSpec, SamplingParams, TokenLogprobs
 from engine.validation import InputError, check_prompt, check_token_ids, resolve_max_tokens
+from server.chat_template import UnsafeChatInput, render_chat_ids
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenTexts
 from server.errors import APIError, bad_request
 from server.metrics import ServerMetrics
 from server.openai_schemas import (
-    MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
     ChatMessage,
@@ -237,15 +237,13 @@ class Serving:
                 if getattr(m, key) is not None:
                     msg[key] = getattr(m, key)
             conversation.append(msg)
-        try:
-            text = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      continue_final_message=continue_final_message)
+        try:  # (special-token text in the client's strings stays text: server/chat_template.py)
+            return render_chat_ids(self.tokenizer, conversation, tools, add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message)
+        except UnsafeChatInput as exc:
+            raise APIError(400, str(exc), param=exc.path) from None
         except Exception as exc:  # template errors (bad roles, flag combinations) are input errors
             raise APIError(400, f"messages: cannot apply the chat template: {exc}", param="messages") from None
-        if not isinstance(text, str):
-            raise APIError(400, "messages: the chat template did not produce text", param="messages")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     # -- sampling parameters -------------------------------------------------------------
 
@@ -260,7 +258,7 @@ class Serving:
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k is None else req.top_k,
+                top_k=self._top_k(req.top_k),
                 min_p=0.0 if req.min_p is None else req.min_p,
                 seed=seed,
                 stop_token_ids=list(req.stop_token_ids or []),
@@ -275,6 +273,13 @@ class Serving:
             )
         except (ValueError, TypeError) as exc:
             raise bad_request(exc) from None
+
+    def _top_k(self, top_k: int | None) -> int:
+        """top_k as the engine takes it: as in vLLM, a k that covers the whole vocabulary is no
+        top-k at all (0: off), whatever its size; below -1 SamplingParams refuses it."""
+        if top_k is None or top_k >= self.client.vocab_size:
+            return 0
+        return top_k
 
     def check_common(self, req: CompletionRequest | ChatCompletionRequest) -> list[str]:
         """Checks shared by both endpoints; returns the stop strings."""

@@ -86,19 +86,26 @@ def test_switched_off_and_under_compile_it_is_the_torch_expression(monkeypatch):
 
 
 @pytest.mark.parametrize("vocab", [1, 15, 16, 384, 4099])
-def test_argmax_is_torch_argmax(vocab):
-    """Random rows, and the edge cases torch defines: ties (the first), NaN (the first NaN), a row
-    of -inf (index 0); vocab sizes off the 16-wide vector; strided rows (a slice of a wider buffer)."""
+def test_argmax_is_torch_argmax(vocab, monkeypatch):
+    """Random rows, and the edge cases torch defines: ties (the first), a row of -inf (index 0);
+    NaN counts as -inf (torch's argmax would pick the first NaN); vocab sizes off the 16-wide
+    vector; strided rows (a slice of a wider buffer)."""
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(40, vocab + 3, generator=g)[:, :vocab]
     x[1] = float("-inf")
     x[2] = 0.5
     if vocab > 9:
         x[3, 9] = x[3, vocab - 1] = 1e6               # a tie: the first
-        x[4, 7] = x[4, vocab - 2] = float("nan")     # NaN beats everything: the first NaN
+        x[4, 7] = x[4, vocab - 2] = float("nan")     # NaN is -inf here
         x[5, vocab - 1] = float("inf")
-    assert torch.equal(fused_ops.argmax(x), x.argmax(dim=-1))
-    assert torch.equal(torch.ops.pdserve_fused.argmax(x.contiguous()), x.argmax(dim=-1))
+        x[6] = float("nan")                          # nothing but NaN: 0
+        x[7, : vocab // 2] = float("nan")
+    want = x.nan_to_num(nan=float("-inf"), posinf=float("inf")).argmax(dim=-1)
+    assert torch.equal(fused_ops.argmax(x), want)
+    assert torch.equal(torch.ops.pdserve_fused.argmax(x.contiguous()), want)
+    with monkeypatch.context() as m:  # the torch path
+        m.setattr(fused_ops, "_enabled", False)
+        assert torch.equal(fused_ops.argmax(x), want)
 
 
 @pytest.mark.parametrize("draft_vocab", [False, True])

@@ -9,6 +9,11 @@ one pass (bf16 too for RMSNorm); otherwise (another dtype or device, a torch.com
 Inductor fuses these itself --, `PDSERVE_FUSED_OPS=0`, or no compiler to build with) it runs the
 torch expression, which is also the reference the tests compare the C++ ops with. The engine
 builds the ops at start (`enable`), never inside a step.
+
+Non-finite logits, one rule in every sampling path (argmax, the sampler's draws, rejection_verify,
+MTP drafting; torch and C++): NaN counts as -inf and +inf as the largest float32 (tokens at +inf
+share the mass), after penalties and temperature; a position with no finite logit has no mass and
+gives token 0 (argmax and the draws alike). So a sampled id is always in [0, vocab).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from worker import cpp_build
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
 _enabled = False
+_FLT_MAX = torch.finfo(torch.float32).max
 
 
 def enable() -> bool:
@@ -59,11 +65,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """The non-finite rule (module docstring) applied: NaN -> -inf, +inf -> the largest float32."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=_FLT_MAX, neginf=float("-inf"))
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(-1) of [rows, vocab] logits (int64): the first of equal maxima, NaN first."""
+    """logits.argmax(-1) of [rows, vocab] logits (int64): the first of equal maxima, NaN counting
+    as -inf (torch's own argmax picks the first NaN)."""
     if _fused(logits) and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[-1] > 0:
         return torch.ops.pdserve_fused.argmax(logits)
-    return logits.argmax(dim=-1)
+    return logits.masked_fill(logits.isnan(), float("-inf")).argmax(dim=-1)
 
 
 def rejection_verify(logits: torch.Tensor, temperature: torch.Tensor, num_drafts: torch.Tensor, drafts: torch.Tensor,
@@ -83,7 +95,7 @@ def rejection_verify(logits: torch.Tensor, temperature: torch.Tensor, num_drafts
     out = torch.empty(len(num_drafts), 2, dtype=torch.long)
     pos = start = 0
     for r, k in enumerate(num_drafts.tolist()):
-        probs = torch.softmax(logits[pos : pos + k + 1].float() / temperature[r], dim=-1)
+        probs = torch.softmax(finite_logits(logits[pos : pos + k + 1].float() / temperature[r]), dim=-1).nan_to_num(0.0)
         m, dist = 0, probs[k]
         while m < k:
             d = int(drafts[start + m])
@@ -95,6 +107,7 @@ def rejection_verify(logits: torch.Tensor, temperature: torch.Tensor, num_drafts
         support = torch.nonzero(dist > 0).squeeze(1)
         running = dist[support].cumsum(0)
         pick = int(torch.searchsorted(running, final_u[r] * dist.sum(), right=True))
-        out[r, 0], out[r, 1] = m, int(support[min(pick, len(support) - 1)])
+        # (no support: no finite logit at that position, token 0 by the non-finite rule)
+        out[r, 0], out[r, 1] = m, int(support[min(pick, len(support) - 1)]) if len(support) else 0
         pos, start = pos + k + 1, start + k
     return out

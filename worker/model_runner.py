@@ -130,18 +130,29 @@ class ModelRunner:
             step_tap.last_layer_done()  # else the MTP pass writes the last KV layer
         prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch, self.states)
         accepted, logprobs = self._sample(batch, hidden)
+        self._check_in_vocab(accepted, "sampled")
         self._write_back(batch, accepted)
         drafts = [[] for _ in batch.req_ids]
         if self.drafter is not None:
             self.drafter.kv_tap = step_tap  # the MTP layers' KV of the chunk is reported too
             k = self._choose_num_drafts(batch, accepted)
             drafts = self.drafter.propose(batch, hidden, accepted, k, self._draft_metadata)
+            self._check_in_vocab(drafts, "draft")
             if k or not batch.steady:  # else nothing was verified or proposed: no buffer to update
                 self._store_drafts(batch, drafts)
             self._time_step(batch, k, start)
         return RunnerOutput(batch.req_ids, accepted, drafts, logprobs, prompt_logprobs)
 
     # -- pieces --------------------------------------------------------------------------
+
+    def _check_in_vocab(self, rows: list[list[int]], what: str) -> None:
+        """The last line of defence of the sampler's contract (every id in [0, vocab), whatever the
+        logits hold): an id outside would be streamed to the client and index past the embedding
+        table as the next input. Raising fails this step's requests (EngineCore._fail_step)."""
+        vocab = self.model_cfg.vocab_size
+        for row in rows:
+            if row and not all(0 <= t < vocab for t in row):
+                raise RuntimeError(f"a {what} token id in {row} is outside the vocabulary [0, {vocab})")
 
     def _build_batch(self, sched: SchedulerOutput) -> InputBatch:
         st = self.states

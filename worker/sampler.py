@@ -13,6 +13,10 @@ every other stage is row-wise. Its token therefore depends only on its seed, its
 generator's history and its own logits -- never on the batch size, its position
 in the batch or the other rows. Rows without a generator draw from the sampler's
 default generator (by inverse CDF, one uniform each).
+
+Non-finite logits follow worker/fused_ops.py's rule (NaN as -inf, +inf as the largest float32,
+applied after temperature; a row with no finite logit gives token 0), so every stage's ids are in
+[0, vocab) whatever the model or the request's settings produced.
 """
 from __future__ import annotations
 
@@ -372,7 +376,23 @@ class Sampler:
         Random rows: softmax(logits / T) restricted by top-k, then top-p, then min-p,
         renormalised. Greedy rows: a one-hot at the argmax of the logits.
         Ties at the k-th largest value are all kept by top-k.
+
+        Non-finite logits (module docstring): a NaN or +inf logit after the temperature -- a penalty
+        or a small temperature can overflow --, or a row with no finite logit, makes the softmax's
+        sum and so its whole row NaN. On a CPU one look at each row's first probability finds
+        them, and only then (rarely) is the batch computed again under the rule; elsewhere the
+        rule is applied every time, as that look would cost a device sync.
         """
+        if logits.device.type != "cpu":
+            return self._probs(logits, meta, finite=True)
+        probs = self._probs(logits, meta, finite=False)
+        if bool(probs[:, 0].isnan().any()):
+            probs = self._probs(logits, meta, finite=True)
+        return probs
+
+    def _probs(self, logits: torch.Tensor, meta: SamplingMetadata, finite: bool) -> torch.Tensor:
+        """compute_probs, `finite`: under the non-finite rule (NaN as -inf, +inf as the largest
+        float32; a row with no finite logit gets no mass at all, so it draws token 0)."""
         logits = logits.float()
         if meta.no_greedy:
             one_hot = greedy = None
@@ -385,6 +405,8 @@ class Sampler:
             # Greedy rows divide by 1 (their values are replaced by the one-hot below).
             temperature = torch.where(greedy, torch.ones_like(meta.temperature), meta.temperature)
         logits = logits / temperature.to(logits.dtype).unsqueeze(1)
+        if finite:
+            logits = fused_ops.finite_logits(logits)
 
         if not (meta.no_top_k and meta.no_top_p):
             logits = self._apply_top_k_top_p(logits, meta)
@@ -396,6 +418,8 @@ class Sampler:
             logits = logits.masked_fill(logits < threshold, float("-inf"))
 
         probs = torch.softmax(logits, dim=-1)
+        if finite:
+            probs = probs.nan_to_num_(0.0)
         return probs if greedy is None else torch.where(greedy.unsqueeze(1), one_hot, probs)
 
     @staticmethod
@@ -453,6 +477,9 @@ class Sampler:
             # ever put u * total at the total: a banned or masked token must never come out)
             tokens = torch.minimum(torch.searchsorted(cdf, u * total, right=True),
                                    torch.searchsorted(cdf, total)).squeeze(1)
+            # A total that is NaN (NaN given as a probability) finds no place in the cdf: index V,
+            # which is no token. Token 0 then, as for a row of no mass (compute_probs never gives NaN).
+            tokens = tokens.masked_fill_(tokens >= vocab, 0)
             if len(unkeyed) == num_rows:
                 return tokens
             sampled[torch.tensor(unkeyed, device=probs.device)] = tokens

@@ -382,6 +382,37 @@ at::Tensor mtp_layer(const at::Tensor& hidden, const at::Tensor& input_ids, cons
 }
 
 
+// Non-finite logits, as everywhere a token is picked (worker/fused_ops.py): NaN counts as -inf,
+// +inf as the largest float; so a draft is always a token of the draft vocabulary.
+float finite(float x) {
+  return x != x ? -std::numeric_limits<float>::infinity() : std::min(x, std::numeric_limits<float>::max());
+}
+
+// One independently drawn draft (DraftMode.INDEPENDENT): q = softmax(row * inv_temp) over the draft
+// vocabulary, written to `q`, and a draw from it by inverse CDF with the uniform `u` (one uniform a
+// draft: the exponential race takes two logarithms a token). A row with no finite logit has no
+// distribution: q is then a point mass at column 0, which is the draft (the rejection sampler is
+// exact for a deterministic draft whose q is its point mass).
+int64_t independent_draft(const float* row, int64_t Vd, float inv_temp, float u, float* q) {
+  float peak = -std::numeric_limits<float>::infinity(), sum = 0.f;
+  for (int64_t v = 0; v < Vd; ++v) peak = std::max(peak, finite(row[v] * inv_temp));
+  if (peak == -std::numeric_limits<float>::infinity()) {
+    std::fill(q, q + Vd, 0.f);
+    q[0] = 1.f;
+    return 0;
+  }
+  for (int64_t v = 0; v < Vd; ++v) sum += (q[v] = std::exp(finite(row[v] * inv_temp) - peak));
+  const float target = u * sum;
+  float below = 0.f;
+  int64_t best = 0;  // (the peak's q is 1: some token has mass)
+  for (int64_t v = 0; v < Vd; ++v) {
+    if (q[v] > 0.f) best = v;  // (a target rounded up to the sum takes the last token of mass)
+    if ((below += q[v]) > target && best == v) break;
+  }
+  for (int64_t v = 0; v < Vd; ++v) q[v] /= sum;
+  return best;
+}
+
 // Drafts [R, k] (int32): draft 0 is the argmax of the draft head over `hidden` [R, H] (each
 // row's MTP hidden state at its last position, `last_pos`); draft i > 0 runs the layer once more at
 // position last_pos + i over (the previous hidden state, draft i - 1), one token per row, and takes
@@ -488,20 +519,7 @@ at::Tensor mtp_draft(const at::Tensor& hidden, const at::Tensor& pass_ids, const
       const float* row = lp + r * Vd;
       int64_t best = 0;
       if (independent) {
-        // q = softmax(row * inv_temp) over the draft vocabulary, and a draw from it by inverse CDF:
-        // one uniform a draft (the exponential race below takes two logarithms a token).
-        float* q = q_out + (r * k + i) * Vd;
-        float peak = -std::numeric_limits<float>::infinity(), sum = 0.f;
-        for (int64_t v = 0; v < Vd; ++v) peak = std::max(peak, row[v] * it[r]);
-        for (int64_t v = 0; v < Vd; ++v) sum += (q[v] = std::exp(row[v] * it[r] - peak));
-        const float target = un[r * k + i] * sum;
-        float below = 0.f;
-        best = -1;
-        for (int64_t v = 0; v < Vd; ++v) {
-          if (q[v] > 0.f) best = v;  // (a target rounded up to the sum takes the last token of mass)
-          if ((below += q[v]) > target && best == v) break;
-        }
-        for (int64_t v = 0; v < Vd; ++v) q[v] /= sum;
+        best = independent_draft(row, Vd, it[r], un[r * k + i], q_out + (r * k + i) * Vd);
       } else if (sampled) {
         const float* u = un + (r * k + i) * V;
         float top = -std::numeric_limits<float>::infinity();
@@ -511,8 +529,8 @@ at::Tensor mtp_draft(const at::Tensor& hidden, const at::Tensor& pass_ids, const
           const float score = row[v] * it[r] - std::log(e);
           if (score > top) top = score, best = v;
         }
-      } else {
-        for (int64_t v = 1; v < Vd; ++v) best = row[v] > row[best] ? v : best;  // the first of equal maxima
+      } else {  // the first of equal maxima (NaN as -inf: a NaN never compares greater)
+        for (int64_t v = 1; v < Vd; ++v) best = finite(row[v]) > finite(row[best]) ? v : best;
       }
       out[r * k + i] = static_cast<int32_t>(ids ? ids[best] : best);
     }

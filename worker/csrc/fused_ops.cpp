@@ -136,21 +136,26 @@ int64_t row_argmax(const float* x, int64_t n) {
     nan = nan || x[i] != x[i];
   }
   int64_t at = 0;
+  if (nan) {  // (rare) NaN counts as -inf: one scalar pass, whose `>` is false for NaN
+    best = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i)
+      if (x[i] > best) best = x[i], at = i;
+    return at;
+  }
 #if defined(__AVX512F__)
-  if (!nan) {
-    const __m512 vb = _mm512_set1_ps(best);
-    for (; at + 16 <= n; at += 16) {
-      const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + at), vb, _CMP_EQ_OQ);
-      if (hit) return at + __builtin_ctz(hit);
-    }
+  const __m512 vb = _mm512_set1_ps(best);
+  for (; at + 16 <= n; at += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + at), vb, _CMP_EQ_OQ);
+    if (hit) return at + __builtin_ctz(hit);
   }
 #endif
-  while (nan ? x[at] == x[at] : x[at] != best) ++at;  // what is sought is in the row: the scan stops
+  while (x[at] != best) ++at;  // what is sought is in the row: the scan stops
   return at;
 }
 
-// Index of each row's largest value, the first where several are equal (torch.argmax's rule),
-// the first NaN where a row has one (torch's too). torch's CPU argmax tracks the index element
+// Index of each row's largest value, the first where several are equal (torch.argmax's rule).
+// NaN counts as -inf (torch's argmax picks the first NaN): a sampled id is never chosen for being
+// NaN, and a row of nothing but NaN and -inf gives 0. torch's CPU argmax tracks the index element
 // by element; here a vectorised max then a scan for its first position, two quick passes.
 at::Tensor argmax(const at::Tensor& logits) {
   check_fp32_cpu(logits, "logits");
@@ -255,7 +260,21 @@ at::Tensor rejection_verify(const at::Tensor& logits, const at::Tensor& temperat
   const float* t = temperature.data_ptr<float>();
   for (int64_t r = 0, pos = 0; r < R; pos += nd[r] + 1, ++r)
     std::fill(temps.data_ptr<float>() + pos, temps.data_ptr<float>() + pos + nd[r] + 1, t[r]);
-  const at::Tensor probs = at::softmax(logits / temps, 1);
+  at::Tensor scaled = logits / temps;
+  at::Tensor probs = at::softmax(scaled, 1);
+  // Non-finite logits (fused_ops.py, "non-finite logits"): a NaN or +inf logit, or a row without a
+  // finite one, makes the softmax's sum and so its whole row NaN -- one look per row finds them. Then
+  // (rarely) again with NaN as -inf and +inf as the largest float (such tokens share the mass); a row
+  // with no finite logit has no mass at all (zeros), so inverse_cdf gives token 0 there.
+  const int64_t positions = probs.size(0);
+  const float* first = probs.data_ptr<float>();
+  for (int64_t p = 0; p < positions; ++p) {
+    if (first[p * V] != first[p * V]) {
+      const double inf = std::numeric_limits<double>::infinity();
+      probs = at::softmax(scaled.nan_to_num_(-inf, std::numeric_limits<float>::max(), -inf), 1).nan_to_num_(0., 0., 0.);
+      break;
+    }
+  }
   const float* pp = probs.data_ptr<float>();
   const float* fu = final_u.data_ptr<float>();
   const int32_t* dp = drafts.data_ptr<int32_t>();
