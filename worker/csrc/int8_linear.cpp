@@ -36,6 +36,16 @@ namespace {
 
 constexpr int64_t NB = 8;  // output features per block
 
+// Each weight row is read once, front to back, a few hundred bytes to a few KB at a time: too short
+// a stream for the hardware prefetcher to run far enough ahead, and a batch-1 step then waits on
+// memory at half the bandwidth a plain copy gets. So each row's line this far ahead (the rows a few
+// feature pairs on) is asked into L2 as the loop goes: twice the bytes/s on an EPYC, one core
+// (benchmarks/results/quantization.md). Into L2, not L1: L1 is what holds the input rows.
+constexpr int64_t PREFETCH_BYTES = 16384;
+
+// (locality 2: prefetcht1. A prefetch never faults, so running past the weight's end is harmless.)
+inline void prefetch_l2(const int8_t* p) { __builtin_prefetch(p, 0, 2); }
+
 // Finish features n and n + 1 of input row `row`: add the K tail from k0 (past the SIMD loop) to the
 // vector sums s0, s1, then the bias, and store.
 inline void finish_pair(const float* x, int64_t K, const int8_t* w0, const int8_t* w1, float c0, float c1,
@@ -76,6 +86,10 @@ void rows_times_block(const float* x, int64_t K, const int8_t* w, const float* s
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < kv; k += 16) {
+      if (k % 64 == 0) {  // (one prefetch per 64-byte line of each row)
+        prefetch_l2(w0 + PREFETCH_BYTES + k);
+        prefetch_l2(w1 + PREFETCH_BYTES + k);
+      }
       const __m512 a = widen16(w0 + k), b = widen16(w1 + k);
       for (int r = 0; r < R; ++r) {
         const __m512 xv = _mm512_loadu_ps(x + (r0 + r) * K + k);
@@ -95,6 +109,10 @@ void rows_times_block(const float* x, int64_t K, const int8_t* w, const float* s
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t k = 0; k < kv; k += 8) {
+      if (k % 64 == 0) {
+        prefetch_l2(w0 + PREFETCH_BYTES + k);
+        prefetch_l2(w1 + PREFETCH_BYTES + k);
+      }
       const __m256 a = widen8(w0 + k), b = widen8(w1 + k);
       for (int r = 0; r < R; ++r) {
         const __m256 xv = _mm256_loadu_ps(x + (r0 + r) * K + k);

@@ -1,0 +1,151 @@
+"""Batch-1 decode step time with fp32, bf16 and int8 weights, on a checkpoint of real shapes, and
+the memory bandwidth of the box to hold the achieved weight bytes/s against.
+
+Each variant runs in its own process (one engine, one request): a 16-token prompt, then decode
+steps; the step time is (the time of a run of 1 + N tokens - that of a 1-token run) / N, from the
+engine's own step timer (EngineCore.step_times), the median of --reps such pairs. Weight bytes per
+step: every linear's weight as stored (int8 + its scales, bf16, fp32), which a batch-1 step reads
+once; the embedding (a row a step) is left out. The int8 variants differ only in the kernel their
+linears use (Linear.int8_way): ours (worker/csrc/int8_linear.cpp), torch's
+aten._weight_int8pack_mm with the fp32 activations, or F.linear on the weight dequantized per call
+(what torchao's int8 weight-only tensor does in eager mode). The bandwidth probe: a 512 MiB tensor
+copy (read + written bytes) and a sum over it (read bytes), best of 5.
+
+    python scripts/make_random_checkpoint.py /tmp/q06 --preset qwen3-0.6b
+    python benchmarks/bench_quantization.py /tmp/q06 --threads 1 2 [--out benchmarks/results/quantization.md]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# name: (engine arguments, int8 kernel forced on every int8 linear, or None)
+VARIANTS: dict[str, tuple[dict, str | None]] = {
+    "fp32": ({}, None),
+    "bf16": ({"dtype": "bfloat16"}, None),
+    "int8 (ours)": ({"quantization": "int8"}, None),
+    "int8 (aten._weight_int8pack_mm)": ({"quantization": "int8"}, "int8pack"),
+    "int8 (dequantize + F.linear)": ({"quantization": "int8"}, "dequantize"),
+}
+SLOW = ("int8pack", "dequantize")  # fewer steps for these
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    from worker.models.linear import Linear
+
+    total = 0
+    for m in model.modules():
+        if not isinstance(m, Linear) or m is getattr(model, "draft_head", None):
+            continue
+        if m.int8 is not None:
+            total += m.int8.numel() + m.scale.numel() * m.scale.element_size()
+        else:  # (a packed weight's plain copy may be freed: its dtype is the model's)
+            total += m.in_features * m.out_features * m.weight.element_size()
+    return total
+
+
+def decode_step_s(llm, steps: int, reps: int) -> float:
+    from engine import SamplingParams
+
+    prompt = list(range(100, 116))
+    core = llm.engine
+
+    def run(tokens: int) -> float:
+        core.step_times.step_s, core.step_times.steps = 0.0, 0
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        return core.step_times.step_s
+
+    run(4)  # warm-up
+    return statistics.median((run(1 + steps) - run(1)) / steps for _ in range(reps))
+
+
+def one_variant(model: str, name: str, threads: int, steps: int, reps: int) -> dict:
+    """In a child process: load the variant, time its decode steps."""
+    from engine import LLM
+
+    args, way = VARIANTS[name]
+    llm = LLM(model, max_model_len=256, max_num_seqs=1, num_threads=threads, speculative_method=None, **args)
+    runner_model = llm.engine.runner.model
+    if way is not None:
+        for m in runner_model.model.layers.modules():
+            if getattr(m, "int8", None) is not None:
+                m.int8_way = way
+    if way in SLOW:
+        steps, reps = max(2, steps // 8), 1
+    step = decode_step_s(llm, steps, reps)
+    nbytes = weight_bytes(runner_model)
+    llm.shutdown()
+    return {"variant": name, "threads": threads, "step_ms": step * 1e3, "weight_mb": nbytes / 1e6,
+            "gb_per_s": nbytes / step / 1e9}
+
+
+def bandwidth(threads: int, mib: int = 512) -> dict:
+    torch.set_num_threads(threads)
+    src = torch.ones(mib * 2**18)  # fp32: mib MiB
+    dst = torch.empty_like(src)
+    copy_s = sum_s = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        copy_s = min(copy_s, time.perf_counter() - start)
+        start = time.perf_counter()
+        src.sum()
+        sum_s = min(sum_s, time.perf_counter() - start)
+    nbytes = src.numel() * 4
+    return {"threads": threads, "copy_gb_per_s": 2 * nbytes / copy_s / 1e9, "read_gb_per_s": nbytes / sum_s / 1e9}
+
+
+def table(rows: list[dict], probes: list[dict]) -> str:
+    fp32 = {r["threads"]: r["step_ms"] for r in rows if r["variant"] == "fp32"}
+    lines = ["| weights (kernel) | torch threads | decode step (ms) | vs fp32 | weight MB read | weight GB/s |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        base = fp32.get(r["threads"])
+        ratio = f"{base / r['step_ms']:.2f}x" if base else "-"
+        lines.append(f"| {r['variant']} | {r['threads']} | {r['step_ms']:.1f} | {ratio} | {r['weight_mb']:.0f} | "
+                     f"{r['gb_per_s']:.1f} |")
+    lines += ["", "| torch threads | copy GB/s (read + written) | sum GB/s (read) |", "|---|---|---|"]
+    lines += [f"| {p['threads']} | {p['copy_gb_per_s']:.1f} | {p['read_gb_per_s']:.1f} |" for p in probes]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # JSON: one variant, in this process
+    ap.add_argument("--out", type=Path, help="also write the tables here")
+    args = ap.parse_args()
+    if args.child:
+        job = json.loads(args.child)
+        print(json.dumps(one_variant(args.model, job["variant"], job["threads"], args.steps, args.reps)))
+        return
+    rows = []
+    for threads in args.threads:
+        for name in args.variants:
+            child = json.dumps({"variant": name, "threads": threads})
+            out = subprocess.run([sys.executable, __file__, args.model, "--child", child, "--steps", str(args.steps),
+                                  "--reps", str(args.reps)], check=True, capture_output=True, text=True, cwd=REPO)
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(rows[-1], flush=True)
+    text = table(rows, [bandwidth(t) for t in args.threads])
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
