@@ -7,8 +7,9 @@ engine's own step timer (EngineCore.step_times), the median of --reps such pairs
 step: every linear's weight as stored (int8 + its scales, bf16, fp32), which a batch-1 step reads
 once; the embedding (a row a step) is left out. The int8 variants differ only in the kernel their
 linears use (Linear.int8_way): ours (worker/csrc/int8_linear.cpp), torch's
-aten._weight_int8pack_mm with the fp32 activations, or F.linear on the weight dequantized per call
-(what torchao's int8 weight-only tensor does in eager mode). The bandwidth probe: a 512 MiB tensor
+aten._weight_int8pack_mm with the fp32 activations, or F.linear on the int8 weight converted to fp32
+for the call and the scales applied after (what torchao's int8 weight-only tensor does in eager mode,
+and what ours does above NARROW_MAX_ROWS rows). The bandwidth probe: a 512 MiB tensor
 copy (read + written bytes) and a sum over it (read bytes), best of 5.
 
     python scripts/make_random_checkpoint.py /tmp/q06 --preset qwen3-0.6b
@@ -35,9 +36,9 @@ VARIANTS: dict[str, tuple[dict, str | None]] = {
     "bf16": ({"dtype": "bfloat16"}, None),
     "int8 (ours)": ({"quantization": "int8"}, None),
     "int8 (aten._weight_int8pack_mm)": ({"quantization": "int8"}, "int8pack"),
-    "int8 (dequantize + F.linear)": ({"quantization": "int8"}, "dequantize"),
+    "int8 (convert + F.linear + scale)": ({"quantization": "int8"}, "convert"),
 }
-SLOW = ("int8pack", "dequantize")  # fewer steps for these
+SLOW = ("int8pack", "convert")  # fewer steps for these
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -89,6 +90,59 @@ def one_variant(model: str, name: str, threads: int, steps: int, reps: int) -> d
             "gb_per_s": nbytes / step / 1e9}
 
 
+def kernel_candidates(threads: int, layers: int = 8) -> list[dict]:
+    """One batch-1 row through the linears of `layers` Qwen3-0.6B decoder layers (qkv, o, gate_up,
+    down; ~125 MB of int8, out of cache as in a step), per way of multiplying by an int8 weight, and
+    the fp32 and bf16 weights for scale. torchao's Int8WeightOnlyConfig where it is importable."""
+    import torch.nn.functional as F
+
+    from worker.models.linear import bf16_linear_available, int8_linear_available, quantize_int8
+
+    torch.set_num_threads(threads)
+    int8_linear_available(), bf16_linear_available()
+    shapes = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)] * layers
+    plain = [torch.randn(n, k) * 0.02 for n, k in shapes]
+    quant = [quantize_int8(w) for w in plain]
+    ways = {
+        "int8: ours (int8_linear.cpp)": (lambda x, i: torch.ops.pdserve_int8.linear_int8w(x, *quant[i], None), 1),
+        "int8: aten._weight_int8pack_mm": (lambda x, i: torch.ops.aten._weight_int8pack_mm(x, *quant[i]), 1),
+        "int8: convert + F.linear + scale": (lambda x, i: F.linear(x, quant[i][0].float()) * quant[i][1], 1),
+    }
+    ao = torchao_linears(plain)
+    if ao is not None:
+        ways["int8: torchao Int8WeightOnly (eager)"] = (lambda x, i: ao[i](x), 1)
+    halves = [w.to(torch.bfloat16) for w in plain]
+    ways["bf16: ours (bf16_linear.cpp)"] = (lambda x, i: torch.ops.pdserve_bf16.linear_bf16w(x, halves[i], None), 2)
+    ways["fp32: F.linear (MKL)"] = (lambda x, i: F.linear(x, plain[i]), 4)
+    out = []
+    with torch.inference_mode():
+        for name, (fn, width) in ways.items():
+            inputs = [torch.randn(1, k) for _, k in shapes]
+            best = float("inf")
+            for _ in range(2 if "convert" in name or "torchao" in name or "int8pack" in name else 7):
+                start = time.perf_counter()
+                for i in range(len(shapes)):
+                    fn(inputs[i], i)
+                best = min(best, time.perf_counter() - start)
+            nbytes = sum(n * k for n, k in shapes) * width
+            out.append({"way": name, "threads": threads, "ms": best * 1e3, "gb_per_s": nbytes / best / 1e9})
+    return out
+
+
+def torchao_linears(weights: list[torch.Tensor]) -> list[torch.nn.Module] | None:
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        return None
+    mods = []
+    for w in weights:
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight.data = w.clone()
+        quantize_(lin, Int8WeightOnlyConfig())
+        mods.append(lin)
+    return mods
+
+
 def bandwidth(threads: int, mib: int = 512) -> dict:
     torch.set_num_threads(threads)
     src = torch.ones(mib * 2**18)  # fp32: mib MiB
@@ -103,6 +157,12 @@ def bandwidth(threads: int, mib: int = 512) -> dict:
         sum_s = min(sum_s, time.perf_counter() - start)
     nbytes = src.numel() * 4
     return {"threads": threads, "copy_gb_per_s": 2 * nbytes / copy_s / 1e9, "read_gb_per_s": nbytes / sum_s / 1e9}
+
+
+def kernel_table(rows: list[dict]) -> str:
+    lines = ["| way (1 row, 8 layers' linears) | torch threads | ms | weight GB/s |", "|---|---|---|---|"]
+    lines += [f"| {r['way']} | {r['threads']} | {r['ms']:.2f} | {r['gb_per_s']:.1f} |" for r in rows]
+    return "\n".join(lines)
 
 
 def table(rows: list[dict], probes: list[dict]) -> str:
@@ -141,7 +201,8 @@ def main() -> None:
                                   "--reps", str(args.reps)], check=True, capture_output=True, text=True, cwd=REPO)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(rows[-1], flush=True)
-    text = table(rows, [bandwidth(t) for t in args.threads])
+    kernels = [row for t in args.threads for row in kernel_candidates(t)]
+    text = table(rows, [bandwidth(t) for t in args.threads]) + "\n\n" + kernel_table(kernels)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")

@@ -36,11 +36,11 @@ namespace {
 
 constexpr int64_t NB = 8;  // output features per block
 
-// Each weight row is read once, front to back, a few hundred bytes to a few KB at a time: too short
-// a stream for the hardware prefetcher to run far enough ahead, and a batch-1 step then waits on
-// memory at half the bandwidth a plain copy gets. So each row's line this far ahead (the rows a few
-// feature pairs on) is asked into L2 as the loop goes: twice the bytes/s on an EPYC, one core
-// (benchmarks/results/quantization.md). Into L2, not L1: L1 is what holds the input rows.
+// Each weight row is read once, front to back, a few KB at a time: too short a stream for the
+// hardware prefetcher to run far enough ahead, and a step of few rows then waits on memory well
+// below the bandwidth a plain copy gets. So each row's line this far ahead (the rows a few feature
+// pairs on) is asked into L2 as the loop goes (benchmarks/results/quantization.md). Into L2, not
+// L1: L1 is what holds the input rows, and prefetching into it gained far less.
 constexpr int64_t PREFETCH_BYTES = 16384;
 
 // (locality 2: prefetcht1. A prefetch never faults, so running past the weight's end is harmless.)

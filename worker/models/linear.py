@@ -82,7 +82,10 @@ class Linear(nn.Linear):
             # torch's own weight-only int8 GEMM: (x @ int8^T) * scale, the scale applied to the sums.
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.int8, self.scale)
             return y if self.bias is None else y + self.bias
-        return F.linear(x, dequantize_int8(self.int8, self.scale).to(x.dtype), self.bias)
+        # The int8 weight converted for the call, the scales applied to the sums (one conversion
+        # of the weight, not two as in dequantizing it first).
+        y = F.linear(x, self.int8.to(x.dtype)) * self.scale.to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
     def pack(self, keep_weight: bool) -> None:
         """Reorder the weight for oneDNN. Without `keep_weight` the plain copy is freed (the packed
@@ -120,11 +123,11 @@ class Linear(nn.Linear):
         # How inputs (of the weight's dtype, the activations') get multiplied; decided here, where
         # asking is allowed, not in a forward that torch.compile may trace.
         if weight.device.type == "cpu" and weight.dtype == torch.float32 and int8_linear_available():
-            self.int8_way = "kernel"  # few rows; bigger inputs: the dequantized weight
+            self.int8_way = "kernel"  # few rows; bigger inputs: MKL on the weight converted for the call
         elif weight.device.type == "cuda" and int8pack_mm_works(str(weight.device), weight.dtype):
             self.int8_way, self.scale = "int8pack", self.scale.to(weight.dtype)
         else:
-            self.int8_way = "dequantize"
+            self.int8_way = "convert"
 
 
 # Inputs of at most this many rows use a Linear's bf16 weight: up to 8 rows the bf16 kernel beats fp32
@@ -153,9 +156,9 @@ def gemm_weight(lin: Linear) -> torch.Tensor:
 
 # Inputs of at most this many rows go through the kernel of a narrow weight (store_bf16,
 # quantize_int8); bigger ones (long prefill chunks) through MKL against the weight converted to fp32
-# for the call. The conversion writes the whole fp32 weight each call, which the kernels' passes
-# beat up to a few hundred rows (benchmarks/results/quantization.md).
-NARROW_MAX_ROWS = 256
+# for the call: converting writes the whole fp32 weight each call, which the kernel's passes beat up
+# to about this many rows, and MKL's blocked GEMM wins beyond (benchmarks/results/quantization.md).
+NARROW_MAX_ROWS = 128
 INT8_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
