@@ -31,6 +31,7 @@ from worker.models.linear import (
 VOCAB = 384
 NEW = 24
 WEIGHTS = {"int8": dict(quantization="int8"), "bf16": dict(dtype="bfloat16")}
+BOTH = {**WEIGHTS, "int8+bf16": dict(quantization="int8", dtype="bfloat16")}  # (bf16-rounded, then quantized)
 
 
 class NarrowReference(Reference):
@@ -40,10 +41,10 @@ class NarrowReference(Reference):
         super().__init__(model_dir)
         self.plain = Reference(model_dir)
         with torch.no_grad():
-            if weights == "bf16":
+            if "bf16" in weights:
                 for p in self.model.parameters():
                     p.copy_(p.to(torch.bfloat16))
-            else:  # every linear of the decoder layers; lm_head and the embedding stay as they are
+            if "int8" in weights:  # every linear of the decoder layers; lm_head and the embedding stay as they are
                 for m in self.model.model.layers.modules():
                     if isinstance(m, torch.nn.Linear):
                         m.weight.copy_(dequantize_int8(*quantize_int8(m.weight)))
@@ -117,23 +118,24 @@ def narrow_model_checks(llm: LLM, weights: str) -> None:
     """What the engine holds: int8 decoder linears, or bf16 ones and lm_head; fp32 activations and KV."""
     runner = llm.engine.runner
     layer_linears = [m for m in runner.model.model.layers.modules() if isinstance(m, Linear)]
-    if weights == "int8":
+    if "int8" in weights:
         assert all(m.int8 is not None and m.weight.numel() == 0 for m in layer_linears)
-    else:
-        assert all(m.weight.dtype == torch.bfloat16 for m in [*layer_linears, runner.model.lm_head])
+    if "bf16" in weights:
+        stored = [runner.model.lm_head] + [m for m in layer_linears if m.int8 is None]
+        assert all(m.weight.dtype == torch.bfloat16 for m in stored)
     assert runner.kv_cache.dtype == torch.float32
     # The tuning record (oneDNN or MKL per fp32 weight shape) never sees a narrow weight.
     record = json.loads(open(os.environ["PDSERVE_LINEAR_TUNING"]).read())
     assert all(key.endswith("float32") for section in record.values() for key in section), record
 
 
-@pytest.mark.parametrize("weights", list(WEIGHTS))
+@pytest.mark.parametrize("weights", list(BOTH))
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_colocated_greedy_matches_transformers_on_narrow_weights(arch, weights, checkpoints, narrow_references):
     prompts = random_prompts(10, 1, 200, VOCAB, 81)
     ref = narrow_references(arch, weights)
     # (steps of up to 256 rows: both the narrow kernels' row counts and the converted weights' above)
-    llm = LLM(str(checkpoints[arch]), max_model_len=400, block_size=4, max_num_batched_tokens=256, **WEIGHTS[weights])
+    llm = LLM(str(checkpoints[arch]), max_model_len=400, block_size=4, max_num_batched_tokens=256, **BOTH[weights])
     try:
         narrow_model_checks(llm, weights)
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))

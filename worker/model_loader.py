@@ -142,7 +142,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
     return model.eval()
 
 
-def narrow_linears(model: CausalLM, dtype: str, compute: str, quantization: str | None) -> tuple[list, list]:
+def narrow_linears(model: CausalLM, dtype: str, compute: str,
+                   quantization: str | None) -> tuple[list[Linear], list[Linear]]:
     """(the linears to store in bf16, those to quantize to int8). int8: every linear of the decoder
     layers (q/k/v/o, gate/up/down), as vLLM's w8a16 does; lm_head, the embedding and the MTP
     drafter keep their dtype (the drafter's precision is --draft-dtype's). bf16 storage under fp32

@@ -21,10 +21,10 @@ Two things make small-batch decode cheap on a CPU, where every step is a handful
 - Narrow weights of the target (`--dtype bfloat16` on a CPU, `--quantization int8`): the weight
   itself is stored in bf16 (`store_bf16`) or as int8 with one fp32 scale per output feature
   (`quantize_int8`), and the arithmetic stays fp32: a few rows go through a kernel that converts each
-  weight as it reads it (worker/csrc/bf16_linear.cpp, worker/csrc/int8_linear.cpp), bigger inputs
-  through MKL against an fp32 copy made for the call (a prefill chunk computes far more than that
-  copy costs). Such linears are never packed nor tuned: oneDNN would do bf16 math where the CPU has
-  it, and the tuning record keeps fp32 shapes only.
+  weight as it reads it (worker/csrc/bf16_linear.cpp, worker/csrc/int8_linear.cpp), inputs of more
+  than NARROW_MAX_ROWS rows (long prefill chunks) through MKL against an fp32 copy made for the call.
+  Such linears are never packed nor tuned: oneDNN would do bf16 math where the CPU has it, and the
+  tuning record keeps fp32 shapes only.
 """
 from __future__ import annotations
 
@@ -177,8 +177,8 @@ def int8pack_mm_works(device: str, dtype: torch.dtype) -> bool:
         torch.ops.aten._weight_int8pack_mm(x, torch.zeros(8, 32, dtype=torch.int8, device=device),
                                            torch.ones(8, dtype=dtype, device=device))
     except (RuntimeError, NotImplementedError) as e:
-        logger.info("int8 weights: torch's _weight_int8pack_mm does not take %s on %s (%s); dequantizing "
-                    "per call instead", dtype, device, e)
+        logger.info("int8 weights: torch's _weight_int8pack_mm does not take %s on %s (%s); converting the "
+                    "weight per call instead", dtype, device, e)
         return False
     return True
 
