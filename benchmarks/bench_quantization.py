@@ -1,16 +1,18 @@
 """Batch-1 decode step time with fp32, bf16 and int8 weights, on a checkpoint of real shapes, and
 the memory bandwidth of the box to hold the achieved weight bytes/s against.
 
-Each variant runs in its own process (one engine, one request): a 16-token prompt, then decode
-steps; the step time is (the time of a run of 1 + N tokens - that of a 1-token run) / N, from the
-engine's own step timer (EngineCore.step_times), the median of --reps such pairs. Weight bytes per
-step: every linear's weight as stored (int8 + its scales, bf16, fp32), which a batch-1 step reads
-once; the embedding (a row a step) is left out. The int8 variants differ only in the kernel their
-linears use (Linear.int8_way): ours (worker/csrc/int8_linear.cpp), torch's
-aten._weight_int8pack_mm with the fp32 activations, or F.linear on the int8 weight converted to fp32
-for the call and the scales applied after (what torchao's int8 weight-only tensor does in eager mode,
-and what ours does above NARROW_MAX_ROWS rows). The bandwidth probe: a 512 MiB tensor
-copy (read + written bytes) and a sum over it (read bytes), best of 5.
+Per torch thread count, one process loads every variant side by side (one engine each, one
+request) and times them in turn, rep after rep: a 16-token prompt, then N decode steps, each
+EngineCore.step timed; a variant's step time is the median step of a rep, the fastest rep of
+--reps (the box is shared: a neighbour's load only ever adds time). Weight bytes per step: every
+linear's weight as stored (int8 + its scales, bf16, fp32), which a batch-1 step reads once; the
+embedding (a row a step) is left out. The int8 variants are one engine whose linears switch kernel
+(Linear.int8_way): ours (worker/csrc/int8_linear.cpp), torch's aten._weight_int8pack_mm with the
+fp32 activations, or F.linear on the int8 weight converted to fp32 for the call and the scales
+applied after (what torchao's int8 weight-only tensor does in eager mode, and what ours does above
+NARROW_MAX_ROWS rows). Then the same ways per linear, one row through 8 layers' worth of
+Qwen3-0.6B shapes (with torchao itself where it is importable), and the bandwidth probe: a 512 MiB
+tensor copy (read + written bytes) and a sum over it (read bytes), best of 5.
 
     python scripts/make_random_checkpoint.py /tmp/q06 --preset qwen3-0.6b
     python benchmarks/bench_quantization.py /tmp/q06 --threads 1 2 [--out benchmarks/results/quantization.md]
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -55,39 +58,61 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def decode_step_s(llm, steps: int, reps: int) -> float:
+def step_runner(llm):
+    """A function of n: the median time of the engine's n decode steps after a 16-token prompt's
+    prefill, one request (each EngineCore.step timed on its own; the first is the prefill)."""
     from engine import SamplingParams
 
     prompt = list(range(100, 116))
     core = llm.engine
+    step, times = core.step, []
 
-    def run(tokens: int) -> float:
-        core.step_times.step_s, core.step_times.steps = 0.0, 0
-        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
-        return core.step_times.step_s
+    def timed_step():
+        start = time.perf_counter()
+        out = step()
+        times.append(time.perf_counter() - start)
+        return out
+
+    core.step = timed_step
+
+    def run(steps: int) -> float:
+        times.clear()
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1 + steps, ignore_eos=True))
+        return statistics.median(times[1:])
 
     run(4)  # warm-up
-    return statistics.median((run(1 + steps) - run(1)) / steps for _ in range(reps))
+    return run
 
 
-def one_variant(model: str, name: str, threads: int, steps: int, reps: int) -> dict:
-    """In a child process: load the variant, time its decode steps."""
+def one_thread_count(model: str, threads: int, steps: int, reps: int, names: list[str]) -> list[dict]:
+    """In a child process: every variant loaded side by side, their decode steps timed in turn, rep
+    after rep (the box is shared: interleaving spreads a neighbour's load over all variants alike,
+    and the fastest rep of each is the one least disturbed)."""
     from engine import LLM
 
-    args, way = VARIANTS[name]
-    llm = LLM(model, max_model_len=256, max_num_seqs=1, num_threads=threads, speculative_method=None, **args)
-    runner_model = llm.engine.runner.model
-    if way is not None:
-        for m in runner_model.model.layers.modules():
-            if getattr(m, "int8", None) is not None:
-                m.int8_way = way
-    if way in SLOW:
-        steps, reps = max(2, steps // 8), 1
-    step = decode_step_s(llm, steps, reps)
-    nbytes = weight_bytes(runner_model)
-    llm.shutdown()
-    return {"variant": name, "threads": threads, "step_ms": step * 1e3, "weight_mb": nbytes / 1e6,
-            "gb_per_s": nbytes / step / 1e9}
+    engines, best, nbytes = {}, {}, {}
+    for name in names:
+        args, _ = VARIANTS[name]
+        key = json.dumps(args, sort_keys=True)
+        if key not in engines:
+            engines[key] = LLM(model, max_model_len=256, max_num_seqs=1, num_threads=threads,
+                               speculative_method=None, **args)
+            engines[key].timed = step_runner(engines[key])
+    for _ in range(reps):
+        for name in names:
+            args, way = VARIANTS[name]
+            llm = engines[json.dumps(args, sort_keys=True)]
+            for m in llm.engine.runner.model.model.layers.modules():
+                if getattr(m, "int8", None) is not None:
+                    m.int8_way = way or "kernel"
+            step = llm.timed(max(2, steps // 8) if way in SLOW else steps)
+            best[name] = min(best.get(name, float("inf")), step)
+            nbytes[name] = weight_bytes(llm.engine.runner.model)
+    load = os.getloadavg()[0]
+    for llm in engines.values():
+        llm.shutdown()
+    return [{"variant": name, "threads": threads, "step_ms": best[name] * 1e3, "weight_mb": nbytes[name] / 1e6,
+             "gb_per_s": nbytes[name] / best[name] / 1e9, "load": load} for name in names]
 
 
 def kernel_candidates(threads: int, layers: int = 8) -> list[dict]:
@@ -167,13 +192,13 @@ def kernel_table(rows: list[dict]) -> str:
 
 def table(rows: list[dict], probes: list[dict]) -> str:
     fp32 = {r["threads"]: r["step_ms"] for r in rows if r["variant"] == "fp32"}
-    lines = ["| weights (kernel) | torch threads | decode step (ms) | vs fp32 | weight MB read | weight GB/s |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| weights (kernel) | torch threads | decode step (ms) | vs fp32 | weight MB read | weight GB/s | "
+             "box load (1 min) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         base = fp32.get(r["threads"])
         ratio = f"{base / r['step_ms']:.2f}x" if base else "-"
         lines.append(f"| {r['variant']} | {r['threads']} | {r['step_ms']:.1f} | {ratio} | {r['weight_mb']:.0f} | "
-                     f"{r['gb_per_s']:.1f} |")
+                     f"{r['gb_per_s']:.1f} | {r['load']:.1f} |")
     lines += ["", "| torch threads | copy GB/s (read + written) | sum GB/s (read) |", "|---|---|---|"]
     lines += [f"| {p['threads']} | {p['copy_gb_per_s']:.1f} | {p['read_gb_per_s']:.1f} |" for p in probes]
     return "\n".join(lines)
@@ -184,23 +209,22 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
-    ap.add_argument("--child", help=argparse.SUPPRESS)  # JSON: one variant, in this process
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # JSON: one thread count's variants, in this process
     ap.add_argument("--out", type=Path, help="also write the tables here")
     args = ap.parse_args()
     if args.child:
         job = json.loads(args.child)
-        print(json.dumps(one_variant(args.model, job["variant"], job["threads"], args.steps, args.reps)))
+        print(json.dumps(one_thread_count(args.model, job["threads"], args.steps, args.reps, job["variants"])))
         return
     rows = []
     for threads in args.threads:
-        for name in args.variants:
-            child = json.dumps({"variant": name, "threads": threads})
-            out = subprocess.run([sys.executable, __file__, args.model, "--child", child, "--steps", str(args.steps),
-                                  "--reps", str(args.reps)], check=True, capture_output=True, text=True, cwd=REPO)
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(rows[-1], flush=True)
+        child = json.dumps({"threads": threads, "variants": args.variants})
+        out = subprocess.run([sys.executable, __file__, args.model, "--child", child, "--steps", str(args.steps),
+                              "--reps", str(args.reps)], check=True, capture_output=True, text=True, cwd=REPO)
+        rows += json.loads(out.stdout.strip().splitlines()[-1])
+        print(rows[-len(args.variants):], flush=True)
     kernels = [row for t in args.threads for row in kernel_candidates(t)]
     text = table(rows, [bandwidth(t) for t in args.threads]) + "\n\n" + kernel_table(kernels)
     print(text)
