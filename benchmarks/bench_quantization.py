@@ -154,6 +154,49 @@ def kernel_candidates(threads: int, layers: int = 8) -> list[dict]:
     return out
 
 
+def crossover(threads: int) -> list[dict]:
+    """Where a narrow weight's kernel stops paying: ms per call of the int8 and bf16 kernels against
+    F.linear on the weight converted to fp32 for the call (Linear's path above NARROW_MAX_ROWS), by
+    row count, on Qwen3-0.6B's gate_up and down shapes; fastest of 3."""
+    import torch.nn.functional as F
+
+    from worker.models.linear import quantize_int8
+
+    torch.set_num_threads(threads)
+    out = []
+    with torch.inference_mode():
+        for n, k in ((6144, 1024), (1024, 3072)):
+            w = torch.randn(n, k) * 0.02
+            q, scale = quantize_int8(w)
+            half = w.to(torch.bfloat16)
+            ways = {"int8 kernel": lambda x, q=q, s=scale: torch.ops.pdserve_int8.linear_int8w(x, q, s, None),
+                    "int8 converted": lambda x, q=q, s=scale: F.linear(x, q.float()) * s,
+                    "bf16 kernel": lambda x, h=half: torch.ops.pdserve_bf16.linear_bf16w(x, h, None),
+                    "bf16 converted": lambda x, h=half: F.linear(x, h.float())}
+            for rows in (32, 64, 128, 256, 512):
+                x = torch.randn(rows, k)
+                row = {"shape": f"{n}x{k}", "rows": rows, "threads": threads}
+                for name, fn in ways.items():
+                    fn(x)
+                    best = float("inf")
+                    for _ in range(3):
+                        start = time.perf_counter()
+                        fn(x)
+                        best = min(best, time.perf_counter() - start)
+                    row[name] = best * 1e3
+                out.append(row)
+    return out
+
+
+def crossover_table(rows: list[dict]) -> str:
+    names = ["int8 kernel", "int8 converted", "bf16 kernel", "bf16 converted"]
+    lines = ["| shape (out x in) | rows | torch threads | " + " | ".join(f"{n} (ms)" for n in names) + " |",
+             "|---|---|---|" + "---|" * len(names)]
+    lines += [f"| {r['shape']} | {r['rows']} | {r['threads']} | " + " | ".join(f"{r[n]:.2f}" for n in names) + " |"
+              for r in rows]
+    return "\n".join(lines)
+
+
 def torchao_linears(weights: list[torch.Tensor]) -> list[torch.nn.Module] | None:
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
@@ -226,7 +269,9 @@ def main() -> None:
         rows += json.loads(out.stdout.strip().splitlines()[-1])
         print(rows[-len(args.variants):], flush=True)
     kernels = [row for t in args.threads for row in kernel_candidates(t)]
-    text = table(rows, [bandwidth(t) for t in args.threads]) + "\n\n" + kernel_table(kernels)
+    rows_cross = [row for t in args.threads for row in crossover(t)]
+    text = "\n\n".join([table(rows, [bandwidth(t) for t in args.threads]), kernel_table(kernels),
+                         crossover_table(rows_cross)])
     print(text)
     if args.out:
         args.out.write_text(text + "\n")

@@ -31,7 +31,7 @@ from worker.models.linear import (
 VOCAB = 384
 NEW = 24
 WEIGHTS = {"int8": dict(quantization="int8"), "bf16": dict(dtype="bfloat16")}
-BOTH = {**WEIGHTS, "int8+bf16": dict(quantization="int8", dtype="bfloat16")}  # (bf16-rounded, then quantized)
+ALL_WEIGHTS = {**WEIGHTS, "int8+bf16": dict(quantization="int8", dtype="bfloat16")}  # (bf16-rounded, then quantized)
 
 
 class NarrowReference(Reference):
@@ -129,13 +129,14 @@ def narrow_model_checks(llm: LLM, weights: str) -> None:
     assert all(key.endswith("float32") for section in record.values() for key in section), record
 
 
-@pytest.mark.parametrize("weights", list(BOTH))
+@pytest.mark.parametrize("weights", list(ALL_WEIGHTS))
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_colocated_greedy_matches_transformers_on_narrow_weights(arch, weights, checkpoints, narrow_references):
     prompts = random_prompts(10, 1, 200, VOCAB, 81)
     ref = narrow_references(arch, weights)
     # (steps of up to 256 rows: both the narrow kernels' row counts and the converted weights' above)
-    llm = LLM(str(checkpoints[arch]), max_model_len=400, block_size=4, max_num_batched_tokens=256, **BOTH[weights])
+    llm = LLM(str(checkpoints[arch]), max_model_len=400, block_size=4, max_num_batched_tokens=256,
+              **ALL_WEIGHTS[weights])
     try:
         narrow_model_checks(llm, weights)
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))
