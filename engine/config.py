@@ -140,7 +140,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_memory_fraction: float = 0.05  # of host RAM (CPU) or free device memory (CUDA), when num_kv_blocks is unset
     enable_prefix_caching: bool = True
+    # Weight storage. bfloat16 on a CPU: bf16 weights, fp32 arithmetic and KV cache (worker/model_loader.py).
     dtype: str = "float32"
+    # "int8": the decoder layers' linears as weight-only int8, one scale per output feature, made at
+    # load time from the checkpoint; activations stay in the activation dtype (worker/models/linear.py).
+    quantization: str | None = None
     device: str = "cpu"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads for this process
@@ -191,6 +195,14 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization in ("none", ""):
+            self.quantization = None
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be int8 or none, got {self.quantization!r}")
+        if not self.device.startswith("cuda") and not self.enforce_eager and \
+                (self.quantization or self.dtype == "bfloat16"):
+            raise ValueError("--quantization int8 and --dtype bfloat16 run eagerly on a CPU (their weight kernels "
+                             "are not traced by torch.compile): drop --no-enforce-eager")
         if self.speculative_method in ("none", ""):
             self.speculative_method = None
         if self.speculative_method not in (None, "mtp", "ngram"):

@@ -46,7 +46,9 @@ ENGINE_FLAGS = [
     ("--block-size", int, 16, "tokens per KV block"),
     ("--num-kv-blocks", int, None, "KV blocks (default: derived from --kv-memory-fraction)"),
     ("--kv-memory-fraction", float, 0.05, "fraction of RAM (CPU) or free GPU memory for the KV cache"),
-    ("--dtype", str, "float32", "float32 | bfloat16 | float16"),
+    ("--dtype", str, "float32", "float32 | bfloat16 | float16 (bfloat16 on a CPU: bf16 weights, fp32 arithmetic)"),
+    ("--quantization", str, "none", "int8 (the decoder layers' linears as weight-only int8, per output channel, "
+     "made at load time) | none"),
     ("--device", str, "cpu", "cpu | cuda"),
     ("--seed", int, 0, "default sampling seed"),
     ("--speculative-method", str, "auto", "mtp | ngram | none | auto (mtp when the model has MTP layers)"),
@@ -118,7 +120,8 @@ def engine_config(args: argparse.Namespace, role: str = EngineRole.COLOCATED) ->
                         dtype=args.dtype, device=args.device, seed=args.seed, num_threads=args.num_threads,
                         speculative_method=method if method != "none" else None, num_speculative_tokens=num_spec,
                         draft_dtype=args.draft_dtype, mtp_window=args.mtp_window, draft_vocab=args.draft_vocab,
-                        enforce_eager=args.enforce_eager, spec_policy=args.spec_policy)
+                        enforce_eager=args.enforce_eager, spec_policy=args.spec_policy,
+                        quantization=args.quantization)
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from worker import cpu_attention
-from worker.models.linear import bf16_linear_available, checkpoint_tensors, native_bf16_cpu, pack_linears
+from worker.models.linear import Linear, bf16_linear_available, checkpoint_tensors, native_bf16_cpu, pack_linears
 from worker.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -33,9 +33,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_state_into(module: torch.nn.Module, model_dir: Path, prefix_map: dict[str, str] | None = None,
-                    skip: frozenset[str] = frozenset()) -> set[str]:
+                    skip: frozenset[str] = frozenset(), round_to: torch.dtype | None = None) -> set[str]:
     """Copy checkpoint tensors into `module`'s parameters and persistent buffers (stacked
-    projections take their pieces by Hugging Face name: see `checkpoint_tensors`).
+    projections take their pieces by Hugging Face name: see `checkpoint_tensors`), each first
+    rounded to `round_to` if given.
 
     Returns the checkpoint keys that were used. A parameter with no checkpoint key is an error
     naming it; unused checkpoint keys are left to the caller to report.
@@ -58,6 +59,8 @@ def load_state_into(module: torch.nn.Module, model_dir: Path, prefix_map: dict[s
                 if tuple(tensor.shape) != tuple(param.shape):
                     raise ValueError(f"model: checkpoint key {key!r} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {tuple(param.shape)}")
+                if round_to is not None:
+                    tensor = tensor.to(round_to)
                 with torch.no_grad():
                     param.copy_(tensor.to(param.dtype))
                 used.add(key)
@@ -77,38 +80,85 @@ def all_checkpoint_keys(model_dir: Path) -> set[str]:
     return keys
 
 
+def activation_dtype(dtype: str, device: str) -> str:
+    """The dtype activations and the KV cache are computed in for weights of `dtype`: float32 for
+    bfloat16 on a CPU (bf16 storage, fp32 arithmetic: most CPUs have no bf16 math, and where they
+    do oneDNN's bf16 GEMM loses to the bf16-weight kernel at decode sizes,
+    benchmarks/results/bf16_linear.txt), else `dtype` itself."""
+    return "float32" if dtype == "bfloat16" and device == "cpu" else dtype
+
+
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str, max_positions: int,
                num_mtp_layers: int = 0, draft_dtype: str | None = None, compiled: bool = False,
-               draft_vocab: list[int] | None = None) -> CausalLM:
+               draft_vocab: list[int] | None = None, quantization: str | None = None) -> CausalLM:
+    """The model of `model_dir` with its weights in `dtype` (see activation_dtype) and, with
+    `quantization="int8"`, its decoder layers' linears in int8 (narrow_linears). `draft_dtype` is
+    the MTP drafter's (resolve_draft_dtype, for the activation dtype)."""
     model_dir = Path(model_dir)
     if num_mtp_layers > cfg.num_mtp_layers:
         raise ValueError(f"speculative_method: 'mtp' needs MTP layers, but {str(model_dir)!r} has "
                          f"num_nextn_predict_layers={cfg.num_mtp_layers}; use 'ngram' or none")
+    compute = activation_dtype(dtype, device)
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions, num_mtp_layers)
-    model = model.to_empty(device=device).to(DTYPES[dtype])
+    model = model.to_empty(device=device).to(DTYPES[compute])
     # to_empty leaves the non-persistent RoPE tables uninitialised: rebuild them for real.
     model.model.rotary_emb = type(model.model.rotary_emb)(cfg, max_positions).to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # A tied lm_head shares the embedding; checkpoints usually omit (or duplicate) its key.
     skip = frozenset({"lm_head.weight"}) if cfg.tie_word_embeddings else frozenset()
-    used = load_state_into(model, model_dir, skip=skip)
+    # Weights stored narrower than the arithmetic: every tensor takes the value it would have in
+    # `dtype` (a bf16 checkpoint loses nothing), so norms and biases round as the big weights do.
+    used = load_state_into(model, model_dir, skip=skip, round_to=DTYPES[dtype] if dtype != compute else None)
     unused = sorted(all_checkpoint_keys(model_dir) - used - {"lm_head.weight"})
     if unused:
         logger.info("ignoring %d checkpoint keys the model does not use (e.g. %s)", len(unused), unused[0])
-    bf16_weights = num_mtp_layers and draft_weights_only(draft_dtype, dtype, device)
-    if num_mtp_layers and draft_dtype and draft_dtype != dtype and not bf16_weights:
+    bf16_weights = bool(num_mtp_layers) and draft_weights_only(draft_dtype, compute, device)
+    if num_mtp_layers and draft_dtype and draft_dtype != compute and not bf16_weights:
         model.set_draft_dtype(DTYPES[draft_dtype])
     if num_mtp_layers and draft_vocab is not None:
         model.set_draft_vocab(draft_vocab)
+    narrow_bf16, narrow_int8 = narrow_linears(model, dtype, compute, quantization)
     # (rounded before packing, which may free the fp32 weights)
     halves = [(lin, lin.weight.detach().to(torch.bfloat16)) for lin in model.draft_linears()] if bf16_weights else []
-    head = model.lm_head.weight.detach().to(torch.bfloat16) if bf16_weights and model.draft_head is None else None
-    # Unpacked: compiled layers (torch.compile cannot trace a packed weight), and the MTP layers of a
-    # bf16-weight drafter, whose fused op multiplies bigger inputs by the plain fp32 weight.
+    head = model.lm_head.weight.detach().to(torch.bfloat16) \
+        if bf16_weights and model.draft_head is None and model.lm_head not in narrow_bf16 else None
+    # Unpacked: compiled layers (torch.compile cannot trace a packed weight), the MTP layers of a
+    # bf16-weight drafter, whose fused op multiplies bigger inputs by the plain fp32 weight, and
+    # the linears stored narrow below.
     skip = ([model.model.layers] if compiled else []) + ([model.model.mtp_layers] if bf16_weights else [])
-    pack_linears(model, device, shared={id(model.model.embed_tokens.weight)}, skip=skip)
+    pack_linears(model, device, shared={id(model.model.embed_tokens.weight)}, skip=skip + narrow_bf16 + narrow_int8)
+    for lin in narrow_bf16:
+        lin.store_bf16()
+    for lin in narrow_int8:
+        lin.quantize_int8()
+    if narrow_bf16 or narrow_int8:
+        logger.info("weights: %d linears stored in bfloat16, %d in int8 (per-channel), arithmetic in %s",
+                    len(narrow_bf16), len(narrow_int8), compute)
+    if bf16_weights and model.draft_head is None and head is None:
+        head = model.lm_head.weight.detach()  # lm_head is bf16 already: the draft head shares it
+    finish_drafter(model, halves, head, bf16_weights)
+    return model.eval()
+
+
+def narrow_linears(model: CausalLM, dtype: str, compute: str,
+                   quantization: str | None) -> tuple[list[Linear], list[Linear]]:
+    """(the linears to store in bf16, those to quantize to int8). int8: every linear of the decoder
+    layers (q/k/v/o, gate/up/down), as vLLM's w8a16 does; lm_head, the embedding and the MTP
+    drafter keep their dtype (the drafter's precision is --draft-dtype's). bf16 storage under fp32
+    arithmetic: the remaining decoder linears and lm_head. The embedding stays fp32 (with bf16
+    values): a step reads a few of its rows, and the fused MTP ops read it as fp32; a tied lm_head
+    then gets its own bf16 copy."""
+    layers = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
+    int8 = layers if quantization == "int8" else []
+    if dtype == compute:
+        return [], int8
+    return [lin for lin in [*layers, model.lm_head] if all(lin is not q for q in int8)], int8
+
+
+def finish_drafter(model: CausalLM, halves: list, head: torch.Tensor | None, bf16_weights: bool) -> None:
+    """The bf16-weight MTP drafter's copies (Linear.keep_bf16, the draft head) and its fused layer."""
     for lin, half in halves:
         lin.keep_bf16(half)
     if head is not None:
@@ -116,7 +166,6 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
     if bf16_weights and cpu_attention.available():
         for layer in model.model.mtp_layers:
             layer.fuse()
-    return model.eval()
 
 
 def draft_weights_only(draft_dtype: str | None, dtype: str, device: str) -> bool:

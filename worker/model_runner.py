@@ -23,7 +23,7 @@ from worker.compilation import ModelForward
 from worker.drafter import MTPDrafter, NgramDrafter
 from worker.input_batch import InputBatch, StepLayout
 from worker.kv_tap import KVTap
-from worker.model_loader import DTYPES, load_model, resolve_draft_dtype, resolve_draft_vocab
+from worker.model_loader import DTYPES, activation_dtype, load_model, resolve_draft_dtype, resolve_draft_vocab
 from worker.prompt_logprobs import compute_prompt_logprobs
 from worker.rejection_sampler import accept_matching_prefix
 from worker.sampler import GREEDY_TEMPERATURE_EPS, Sampler, SamplingMetadata, mix_seed, position_generator
@@ -38,7 +38,7 @@ def num_kv_blocks_for(config: EngineConfig, model_cfg: ModelConfig, num_layers: 
     """KV budget: `num_kv_blocks` if given, else a fraction of host RAM (CPU) or free device memory."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    elem = torch.finfo(DTYPES[config.dtype]).bits // 8
+    elem = torch.finfo(DTYPES[activation_dtype(config.dtype, config.device)]).bits // 8
     per_block = 2 * num_layers * config.block_size * model_cfg.num_key_value_heads * model_cfg.head_dim * elem
     if config.device.startswith("cuda"):
         budget = torch.cuda.mem_get_info()[0] * config.kv_memory_fraction
@@ -59,10 +59,14 @@ class ModelRunner:
         self.num_spec = config.num_speculative_tokens if config.speculative_method else 0
         num_mtp = 1 if config.speculative_method == "mtp" else 0
         lookahead = config.num_lookahead_tokens
-        self.draft_dtype = resolve_draft_dtype(config.draft_dtype, config.dtype, config.device)
+        # The KV cache (and the drafter's default precision) follows the activations, not the weights.
+        self.activation_dtype = DTYPES[activation_dtype(config.dtype, config.device)]
+        self.draft_dtype = resolve_draft_dtype(config.draft_dtype, str(self.activation_dtype).removeprefix("torch."),
+                                               config.device)
         self.model = load_model(Path(config.model), model_cfg, config.dtype, config.device,
                                 max_positions=max_len + lookahead + 8, num_mtp_layers=num_mtp,
                                 draft_dtype=self.draft_dtype, compiled=not config.enforce_eager,
+                                quantization=config.quantization,
                                 draft_vocab=resolve_draft_vocab(config.draft_vocab, config.model) if num_mtp else None)
         self.forward = ModelForward(self.model, compile_model=not config.enforce_eager)
         # Chosen (and on CPU the kernels built or loaded) now, before the engine serves.
@@ -73,7 +77,7 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks_for(config, model_cfg, self.num_kv_layers)
         self.kv_cache, self.kv_views = allocate_kv_caches(
             self.num_kv_layers, self.num_kv_blocks, self.block_size, model_cfg.num_key_value_heads,
-            model_cfg.head_dim, DTYPES[config.dtype], config.device)
+            model_cfg.head_dim, self.activation_dtype, config.device)
         with torch.inference_mode():
             self.forward.warm_up(self.kv_views, self.block_size, -(-(max_len + lookahead) // self.block_size) + 1,
                                  self.device)

@@ -43,6 +43,16 @@ namespace {
 
 constexpr int64_t NB = 8;  // output features per block
 
+// Each weight row is read once, front to back, a few KB at a time: too short a stream for the
+// hardware prefetcher to run far enough ahead, and a step of few rows then waits on memory well
+// below the bandwidth a plain copy gets. So each row's line this far ahead (the rows a few feature
+// pairs on) is asked into L2 as the loop goes (benchmarks/results/quantization.md). Into L2, not
+// L1: L1 is what holds the input rows, and prefetching into it gained far less.
+constexpr int64_t PREFETCH_BYTES = 16384;
+
+// (locality 2: prefetcht1. A prefetch never faults, so running past the weight's end is harmless.)
+inline void prefetch_l2(const uint16_t* p) { __builtin_prefetch(p, 0, 2); }
+
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
@@ -78,6 +88,10 @@ void rows_times_block(const float* x, int64_t K, const uint16_t* w, const float*
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < k16; k += 16) {
+      if (k % 32 == 0) {  // (one prefetch per 64-byte line of each row)
+        prefetch_l2(w0 + PREFETCH_BYTES / 2 + k);
+        prefetch_l2(w1 + PREFETCH_BYTES / 2 + k);
+      }
       const __m512 a = _mm512_castsi512_ps(
           _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + k))), 16));
       const __m512 b = _mm512_castsi512_ps(
@@ -100,6 +114,10 @@ void rows_times_block(const float* x, int64_t K, const uint16_t* w, const float*
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t k = 0; k < k8; k += 8) {
+      if (k % 32 == 0) {
+        prefetch_l2(w0 + PREFETCH_BYTES / 2 + k);
+        prefetch_l2(w1 + PREFETCH_BYTES / 2 + k);
+      }
       // bf16 -> fp32: widen to 32 bits and shift into the high half.
       const __m256 a = _mm256_castsi256_ps(
           _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0 + k))), 16));

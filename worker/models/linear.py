@@ -18,6 +18,13 @@ Two things make small-batch decode cheap on a CPU, where every step is a handful
   (`worker/csrc/bf16_linear.cpp`). A few rows' step reads every weight from memory, and half the
   bytes made the bundled model's projections 1.4-1.8x faster for 1-4 rows, where oneDNN's bf16
   GEMM was 2x slower than fp32 even with native bf16 math (benchmarks/results/bf16_linear.txt).
+- Narrow weights of the target (`--dtype bfloat16` on a CPU, `--quantization int8`): the weight
+  itself is stored in bf16 (`store_bf16`) or as int8 with one fp32 scale per output feature
+  (`quantize_int8`), and the arithmetic stays fp32: a few rows go through a kernel that converts each
+  weight as it reads it (worker/csrc/bf16_linear.cpp, worker/csrc/int8_linear.cpp), inputs of more
+  than NARROW_MAX_ROWS rows (long prefill chunks) through MKL against an fp32 copy made for the call.
+  Such linears are never packed nor tuned: oneDNN would do bf16 math where the CPU has it, and the
+  tuning record keeps fp32 shapes only.
 """
 from __future__ import annotations
 
@@ -50,14 +57,35 @@ class Linear(nn.Linear):
         self.shards = shards
         self.packed: torch.Tensor | None = None
         self.packed_from = 0  # inputs of at least this many rows use `packed` (set by tune_linears)
-        self.bf16: torch.Tensor | None = None  # set by keep_bf16
+        self.bf16: torch.Tensor | None = None  # set by keep_bf16 (and store_bf16)
+        self.bf16_max_rows = BF16_MAX_ROWS  # inputs of at most this many rows use `bf16`
+        self.int8: torch.Tensor | None = None  # [out, in] int8, set by quantize_int8
+        self.scale: torch.Tensor | None = None  # [out] fp32: weight = int8 * scale per output feature
+        self.int8_way = ""  # how the int8 weight multiplies inputs, set by quantize_int8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bf16 is not None and x.shape[0] <= BF16_MAX_ROWS and x.dtype == torch.float32:
+        if self.int8 is not None:
+            return self._int8_forward(x)
+        if self.bf16 is not None and x.shape[0] <= self.bf16_max_rows and x.dtype == torch.float32:
             return torch.ops.pdserve_bf16.linear_bf16w(x.contiguous(), self.bf16, self.bias)
         if self.packed is not None and x.shape[0] >= self.packed_from:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.weight.dtype != x.dtype:  # a bf16-stored weight (store_bf16): fp32 arithmetic all the same
+            return F.linear(x, self.weight.to(x.dtype), self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.int8 is not None and self.scale is not None
+        if self.int8_way == "kernel" and x.shape[0] <= NARROW_MAX_ROWS:
+            return torch.ops.pdserve_int8.linear_int8w(x.contiguous(), self.int8, self.scale, self.bias)
+        if self.int8_way == "int8pack":
+            # torch's own weight-only int8 GEMM: (x @ int8^T) * scale, the scale applied to the sums.
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.int8, self.scale)
+            return y if self.bias is None else y + self.bias
+        # The int8 weight converted for the call, the scales applied to the sums (one conversion
+        # of the weight, not two as in dequantizing it first).
+        y = F.linear(x, self.int8.to(x.dtype)) * self.scale.to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
     def pack(self, keep_weight: bool) -> None:
         """Reorder the weight for oneDNN. Without `keep_weight` the plain copy is freed (the packed
@@ -74,6 +102,32 @@ class Linear(nn.Linear):
         """Multiply inputs of few rows by `weight` rounded to bfloat16 (in fp32 arithmetic; needs
         bf16_linear_available()). The fp32 weight (or its packed copy) still serves bigger inputs."""
         self.bf16 = weight.detach().to(torch.bfloat16).contiguous()
+
+    def store_bf16(self) -> None:
+        """Keep the weight in bfloat16 only (its values must already be bf16-rounded to lose
+        nothing); the arithmetic stays in the input's dtype. Not for packed linears."""
+        self.weight = nn.Parameter(self.weight.detach().to(torch.bfloat16).contiguous(), requires_grad=False)
+        self.packed = None
+        if self.weight.device.type == "cpu" and bf16_linear_available():
+            # The bf16 kernel, straight from this copy, up to NARROW_MAX_ROWS rows: its alternative
+            # is no ready fp32 weight but one converted for the call.
+            self.bf16, self.bf16_max_rows = self.weight.detach(), NARROW_MAX_ROWS
+
+    def quantize_int8(self) -> None:
+        """Keep the weight as int8 with a scale per output feature (quantize_int8) and free the
+        plain one; the arithmetic stays in the input's dtype. Not for packed linears."""
+        weight = self.weight.detach()
+        self.int8, self.scale = quantize_int8(weight)
+        self.packed, self.bf16 = None, None
+        self.drop_plain()
+        # How inputs (of the weight's dtype, the activations') get multiplied; decided here, where
+        # asking is allowed, not in a forward that torch.compile may trace.
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and int8_linear_available():
+            self.int8_way = "kernel"  # few rows; bigger inputs: MKL on the weight converted for the call
+        elif weight.device.type == "cuda" and int8pack_mm_works(str(weight.device), weight.dtype):
+            self.int8_way, self.scale = "int8pack", self.scale.to(weight.dtype)
+        else:
+            self.int8_way = "convert"
 
 
 # Inputs of at most this many rows use a Linear's bf16 weight: up to 8 rows the bf16 kernel beats fp32
@@ -93,8 +147,57 @@ def gemm_weight(lin: Linear) -> torch.Tensor:
     """The weight the fused MTP ops (worker/csrc/bf16_linear.cpp) multiply inputs of more than
     BF16_MAX_ROWS rows by: a `keep_bf16` linear's bf16 copy where the CPU does bf16 math (oneDNN's
     bf16 GEMM, AMX: from 9 rows it beats fp32 MKL, benchmarks/results/bf16_linear.txt), else its
-    fp32 weight."""
-    return lin.bf16 if lin.bf16 is not None and native_bf16_cpu() else lin.weight.detach()
+    fp32 weight, or none (empty: the bf16 kernel at every row count) where the weight is stored in
+    bf16 only (store_bf16: a bf16 target's lm_head doubling as the draft head)."""
+    if lin.bf16 is not None and native_bf16_cpu():
+        return lin.bf16
+    return lin.weight.detach() if lin.weight.dtype == torch.float32 else torch.empty(0)
+
+
+# Inputs of at most this many rows go through the kernel of a narrow weight (store_bf16,
+# quantize_int8); bigger ones (long prefill chunks) through MKL against the weight converted to fp32
+# for the call: converting writes the whole fp32 weight each call, which the kernel's passes beat up
+# to about this many rows, and MKL's blocked GEMM wins beyond (benchmarks/results/quantization.md).
+NARROW_MAX_ROWS = 128
+INT8_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+@functools.cache
+def int8_linear_available() -> bool:
+    """Build (or load the cached build of) the int8-weight linear kernel; False where that fails."""
+    return cpp_build.build("int8_linear.cpp", INT8_CFLAGS, "int8-weight linear")
+
+
+@functools.cache
+def int8pack_mm_works(device: str, dtype: torch.dtype) -> bool:
+    """Whether torch's `_weight_int8pack_mm` takes `dtype` inputs on `device` (it checks the
+    activation's dtype and the shapes per backend and version); asked once with a tiny call."""
+    try:
+        x = torch.zeros(1, 32, dtype=dtype, device=device)
+        torch.ops.aten._weight_int8pack_mm(x, torch.zeros(8, 32, dtype=torch.int8, device=device),
+                                           torch.ones(8, dtype=dtype, device=device))
+    except (RuntimeError, NotImplementedError) as e:
+        logger.info("int8 weights: torch's _weight_int8pack_mm does not take %s on %s (%s); converting the "
+                    "weight per call instead", dtype, device, e)
+        return False
+    return True
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only symmetric int8 with one scale per output feature (row): scale = max|row| / 127,
+    q = round(w / scale) in [-127, 127], computed in fp32. Returns (q [out, in] int8, scale [out] fp32).
+    dequantize_int8(q, scale) is the weight the model then computes with (and the one a reference
+    model must hold)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: any scale is exact
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight an int8 one stands for: each element times its row's scale (in fp32)."""
+    return q.float() * scale[:, None]
 
 
 @functools.cache
@@ -120,8 +223,8 @@ def pack_linears(model: nn.Module, device: str, shared: set[int], skip: Sequence
     never used; weights whose id is in `shared` (tied embeddings) are always kept. Linears inside
     the modules of `skip` stay plain."""
     unpacked = {id(m) for part in skip for m in part.modules()}
-    packed = [m for m in model.modules()
-              if isinstance(m, Linear) and id(m) not in unpacked and can_pack(m.weight.dtype, device)]
+    packed = [m for m in model.modules() if isinstance(m, Linear) and id(m) not in unpacked
+              and m.int8 is None and m.weight.numel() and can_pack(m.weight.dtype, device)]
     for module in packed:
         module.pack(keep_weight=True)
     tune_linears(packed)
