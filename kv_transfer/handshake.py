@@ -68,7 +68,9 @@ def tensor_fingerprints(model_dir: str | Path) -> dict[str, str]:
 def compat_description(config: EngineConfig, model_cfg: ModelConfig, num_kv_layers: int) -> dict:
     raw = model_cfg.raw
     return {
-        "kv": {"dtype": config.dtype, "block_size": config.block_size, "kv_layers": num_kv_layers,
+        # The weights' quantization is no part of the cache layout, but P and D must run the same model.
+        "kv": {"dtype": config.dtype, "quantization": config.quantization or "none",
+               "block_size": config.block_size, "kv_layers": num_kv_layers,
                "kv_heads": model_cfg.num_key_value_heads, "head_dim": model_cfg.head_dim},
         "config": {"vocab_size": model_cfg.vocab_size, **{k: raw.get(k) for k in CONFIG_FIELDS},
                    "normalized_rope": [model_cfg.rope_theta, model_cfg.rope_scaling]},

@@ -128,3 +128,13 @@ def test_fingerprint_samples_the_whole_tensor(tmp_path: Path):
     big[-1, -8:] = 1.0
     save_file({"a.weight": big}, path / "model.safetensors")
     assert tensor_fingerprints(path) != before
+
+
+def test_an_int8_prefill_and_an_fp32_decode_are_refused_naming_the_quantization(tmp_path: Path):
+    """The same checkpoint run with --quantization int8 on one side only is a different model."""
+    base = make_checkpoint("qwen2", tmp_path / "base")
+    fp32 = compat_description(EngineConfig(model=str(base)), ModelConfig.from_dir(base), 2)
+    int8 = compat_description(EngineConfig(model=str(base), quantization="int8"), ModelConfig.from_dir(base), 2)
+    assert compat_hash(fp32) != compat_hash(int8)
+    difference = describe_difference(fp32, json.dumps(int8))
+    assert "quantization" in difference, difference
