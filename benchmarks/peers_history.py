@@ -110,6 +110,9 @@ def header(run: dict[str, Any], n_runs: int) -> list[str]:
         "- load: `vllm bench serve` (vLLM's own client, from its venv) sets every headline number; "
         "`pdserve bench` is the second opinion; `client CPU` is the load tool's own CPU use over the "
         "measured interval (100% = one core), on the same cores as the server",
+        "- scheduler limits: every server gets pdserve's (max-num-seqs 64, max-num-batched-tokens 2048, "
+        "prefix caching on, block size 16; llama-server: a 2048-token batch, one slot per request in flight), "
+        "except vLLM's block size, 32: its CPU attention takes multiples of 32 only",
         "- ratios: against the better of the two vLLM thread budgets and against llama-server, per metric; "
         "above 1 is better for tok/s, below 1 is better for latency",
         "",

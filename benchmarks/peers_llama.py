@@ -32,8 +32,23 @@ def converter_python(prefix: Path) -> Path:
     return prefix / "gguf-venv" / "bin" / "python"
 
 
+def cpu_flags() -> str:
+    """This CPU's feature flags, sorted, as scripts/install_llama_cpp.sh stamps its build with them."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return " ".join(sorted(line.split(":", 1)[1].split()))
+    return ""
+
+
 def installed(prefix: Path) -> bool:
-    return server_binary(prefix).is_file() and converter_python(prefix).is_file()
+    """A build for this CPU (GGML_NATIVE: another CPU's build may use instructions this one lacks)."""
+    stamp = prefix / "bin" / "CPU_FLAGS"
+    return (
+        server_binary(prefix).is_file()
+        and converter_python(prefix).is_file()
+        and stamp.is_file()
+        and stamp.read_text().strip() == cpu_flags()
+    )
 
 
 def version(prefix: Path) -> str:

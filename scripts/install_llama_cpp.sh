@@ -24,9 +24,16 @@ PYTHON=${PYTHON:-python3}
 JOBS=${JOBS:-$(nproc)}
 STAMP="$PREFIX/.installed-$VERSION"
 VENV="$PREFIX/gguf-venv"
+# GGML_NATIVE builds for this CPU's instruction sets; a machine with others (this project's machines
+# vary between AVX2 and AVX-512) needs its own build, so the binary is stamped with the CPU's flags.
+CPU_FLAGS=$(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2 | tr ' ' '\n' | sort | tr '\n' ' ' | sed 's/^ *//;s/ *$//')
 
 log() { echo "install_llama_cpp: $*" >&2; }
 
+if [ -f "$PREFIX/bin/CPU_FLAGS" ] && [ "$(cat "$PREFIX/bin/CPU_FLAGS")" != "$CPU_FLAGS" ]; then
+    log "llama-server was built for another CPU: rebuilding for this one"
+    rm -rf "$PREFIX/bin" "$PREFIX/build" "$STAMP"
+fi
 if [ -f "$STAMP" ] && [ -x "$PREFIX/bin/llama-server" ] && "$VENV/bin/python" -c "import gguf, torch, transformers" 2>/dev/null; then
     log "llama.cpp (llama-cpp-python $VERSION) already installed in $PREFIX"
     exit 0
@@ -56,6 +63,7 @@ if [ ! -x "$PREFIX/bin/llama-server" ]; then
     cmake --build "$PREFIX/build" --target llama-server -j "$JOBS" -- --no-print-directory >/dev/null
     mkdir -p "$PREFIX/bin"
     cp "$PREFIX/build/bin/llama-server" "$PREFIX/bin/llama-server"
+    echo "$CPU_FLAGS" > "$PREFIX/bin/CPU_FLAGS"
 fi
 
 # 3. The converter's venv: llama.cpp's own gguf-py (from the same sources, so converter and library

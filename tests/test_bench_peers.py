@@ -144,7 +144,7 @@ def test_vllm_scheduler_flags_are_pinned_to_pdserves(tmp_path: Path) -> None:
         flag = {a: s.argv[i + 1] for i, a in enumerate(s.argv[:-1]) if a.startswith("--")}
         assert flag["--max-num-seqs"] == str(ours.max_num_seqs)
         assert flag["--max-num-batched-tokens"] == str(ours.max_num_batched_tokens)
-        assert flag["--block-size"] == str(ours.block_size) and "--enable-prefix-caching" in s.argv
+        assert flag["--block-size"] == str(peers_fair.VLLM_CPU_BLOCK_SIZE) and "--enable-prefix-caching" in s.argv
         assert flag["--host"] == "127.0.0.1" and s.budget
     assert "OMP_NUM_THREADS" not in default.env and "VLLM_CPU_OMP_THREADS_BIND" not in default.env  # as a user has it
     assert both.env["VLLM_CPU_OMP_THREADS_BIND"] == f"0-{peers_fair.CORES - 1}"
