@@ -52,12 +52,18 @@ def installed(prefix: Path) -> bool:
 
 
 def version(prefix: Path) -> str:
-    """`llama-cpp-python X, llama.cpp commit Y` as the install script recorded it."""
+    """The llama.cpp commit the install script recorded (the sdist has no .git, so the binary's own
+    build info has no commit), with the binary's version line."""
     try:
         commit = (prefix / "LLAMA_CPP_COMMIT").read_text().strip() or "unknown"
     except OSError:
         commit = "unknown"
-    return f"llama.cpp {commit} (vendored by llama-cpp-python {VERSION})"
+    try:
+        run = subprocess.run([str(server_binary(prefix)), "--version"], capture_output=True, text=True, timeout=30)
+        line = next((x for x in (run.stdout + run.stderr).splitlines() if x.startswith("version:")), "")
+    except (OSError, subprocess.SubprocessError):
+        line = ""
+    return f"commit {commit} ({line or 'version unknown'}; vendored by llama-cpp-python {VERSION})"
 
 
 def convert_argv(prefix: Path, model: Path, outtype: str, outfile: Path, pre_tokenizer: str | None) -> list[str]:
@@ -101,12 +107,14 @@ def server_argv(
 
 
 def checkpoint_key(model: Path) -> str:
-    """A short hash of the checkpoint's file names, sizes and modification times."""
+    """A short hash of the checkpoint's files, names and contents: a fresh copy of the same checkpoint
+    (the MTP-free copy bench_peers writes each run) finds its conversion, a changed one does not."""
     h = hashlib.sha256()
     for f in sorted(model.iterdir()):
         if f.is_file():
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+            h.update(f.name.encode() + b"\0")
+            with f.open("rb") as fh:
+                h.update(hashlib.file_digest(fh, "sha256").digest())
     return h.hexdigest()[:12]
 
 

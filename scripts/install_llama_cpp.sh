@@ -56,7 +56,8 @@ fi
 
 # 2. llama-server. No OpenSSL (the server talks plain HTTP on 127.0.0.1) and no prebuilt web UI
 # (which CMake would fetch from the network). GGML_NATIVE builds for this machine's SIMD (AVX2/AVX-512).
-if [ ! -x "$PREFIX/bin/llama-server" ]; then
+# An unstamped binary (an interrupted install) is rebuilt: incrementally, from the build directory.
+if [ ! -x "$PREFIX/bin/llama-server" ] || [ ! -f "$PREFIX/bin/CPU_FLAGS" ]; then
     cmake -S "$PREFIX/src" -B "$PREFIX/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
         -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
