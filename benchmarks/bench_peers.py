@@ -152,8 +152,8 @@ class Online:
 
 
 # The fair suite's servers (benchmarks/peers_fair.py), by short key.
-SHORT_KEYS = ("vllm", "vllm-2t", "colocated", "colocated-2t", "pd", "default", "llama-f32", "colocated-int8", "pd-int8",
-              "llama-q8")
+SHORT_KEYS = ("vllm", "vllm-2t", "colocated", "colocated-2t", "pd", "default", "llama-f32", "llama-f32-1t",
+              "colocated-int8", "pd-int8", "llama-q8", "llama-q8-1t")
 # Thread layouts `pdserve serve` does not default to: rows only when asked for with --systems.
 LAYOUT_VARIANTS = ("colocated-2t", "pd-pinned", "pd-p2t", "pd-compiled", "colocated-compiled")
 
@@ -753,8 +753,8 @@ def main() -> None:
     ap.add_argument(
         "--systems",
         default=None,
-        help="servers (short keys) to run; fair: vllm,vllm-2t,colocated,colocated-2t,pd,default,llama-f32,"
-        "colocated-int8,pd-int8,llama-q8 (default: all); issue11: vllm,colocated,pd,default (default)",
+        help="servers (short keys) to run; fair: " + ",".join(SHORT_KEYS) + " (default: all); "
+        "issue11: vllm,colocated,pd,default (default)",
     )
     ap.add_argument("--checkpoints", default="tiny,qwen3-0.6b", help="fair: built-in checkpoints to run")
     ap.add_argument("--checkpoint", action="append", default=[], help="fair: also this local HF checkpoint dir")

@@ -14,7 +14,8 @@ local Hugging Face checkpoint given with --checkpoint. Servers, for each checkpo
   and vLLM given both cores (OMP_NUM_THREADS=2, VLLM_CPU_OMP_THREADS_BIND=0-1); both with the
   scheduler flags pdserve runs with (max-num-seqs, max-num-batched-tokens, prefix caching, block size);
 - llama-server on the checkpoint converted by llama.cpp's own converter (F32; Q8_0 beside pdserve's
-  int8), `--parallel` slots for the workload's concurrency, continuous batching, `-t` = the cores;
+  int8), `--parallel` slots for the workload's concurrency, continuous batching, with every core
+  (`-t 2` on 2 cores) and with one thread, as pdserve's colocated engine has;
 - pdserve colocated and PD without speculation (and `make serve`'s default, PD + MTP, where the
   checkpoint has an MTP layer), each with its thread budget printed beside its numbers; int8 rows
   where this checkout's `pdserve serve` has `--quantization`.
@@ -128,8 +129,8 @@ class Workload(Online):
     title: str = ""
 
 
-FP32 = ("vllm", "vllm-2t", "colocated", "pd", "llama-f32")
-INT8 = ("colocated-int8", "pd-int8", "llama-q8")
+FP32 = ("vllm", "vllm-2t", "colocated", "pd", "llama-f32", "llama-f32-1t")
+INT8 = ("colocated-int8", "pd-int8", "llama-q8", "llama-q8-1t")
 
 
 def workloads(quick: bool) -> list[Workload]:
@@ -218,12 +219,15 @@ def pdserve_system(ck: Checkpoint, key: str) -> System:
 
 
 def llama_system(args: argparse.Namespace, ck: Checkpoint, key: str, gguf: Path, parallel: int) -> System:
-    prefix = Path(args.llama_cpp)
-    argv = peers_llama.server_argv(prefix, gguf, parallel, CORES, MAX_MODEL_LEN, SCHED["max_num_batched_tokens"],
-                                   ck.name)
-    kind = "F32" if key == "llama-f32" else "Q8_0"
-    return System(key, f"llama-server {kind}", "llama.cpp", argv, {},
-                  f"{CORES} cores; -t {CORES} -tb {CORES}, {parallel} slots")
+    """llama-server with every core (`llama-f32`, `llama-q8`) or with one thread (`...-1t`), as pdserve's
+    colocated engine has: its threads spin at each step's barriers, and on a 2-core machine the load
+    client and the HTTP thread take CPU too, so the better of the two budgets is its fair number."""
+    threads = 1 if key.endswith("-1t") else CORES
+    argv = peers_llama.server_argv(Path(args.llama_cpp), gguf, parallel, threads, MAX_MODEL_LEN,
+                                   SCHED["max_num_batched_tokens"], ck.name)
+    kind = "F32" if key.startswith("llama-f32") else "Q8_0"
+    return System(key, f"llama-server {kind}, {threads} thread{'s' * (threads > 1)}", "llama.cpp", argv, {},
+                  f"{CORES} cores; -t {threads} -tb {threads}, {parallel} slots")
 
 
 def build_systems(args: argparse.Namespace, ck_key: str, ck: Checkpoint, wls: list[Workload],
@@ -240,7 +244,7 @@ def build_systems(args: argparse.Namespace, ck_key: str, ck: Checkpoint, wls: li
         if key.startswith("vllm"):
             sys_ = vllm_system(args, ck, key == "vllm-2t", conc)
         elif key.startswith("llama"):
-            outtype = "f32" if key == "llama-f32" else "q8_0"
+            outtype = "f32" if key.startswith("llama-f32") else "q8_0"
             gguf = peers_llama.ensure_gguf(Path(args.llama_cpp), ck.path, outtype, ck.pre_tokenizer, args.timeout)
             sys_ = llama_system(args, ck, key, gguf, conc)
         else:
@@ -374,7 +378,7 @@ def run_record(run: Run, wls: list[Workload], systems: dict[str, System], int8: 
         "versions": {"vllm": vllm_v["vllm-cpu"], "vllm_torch": vllm_v["torch"],
                      "pdserve_torch": versions(sys.executable, "torch")["torch"],
                      "llama_cpp": peers_llama.version(Path(run.args.llama_cpp))},
-        "systems": {k: {"title": f"{run.checkpoints[k.split('/')[0]].name}: {s.title}", "side": s.side,
+        "systems": {k: {"title": s.title, "checkpoint": run.checkpoints[k.split("/")[0]].name, "side": s.side,
                         "budget": s.budget, "command": " ".join(s.argv), "env": " ".join(
                             f"{a}={b}" for a, b in s.env.items() if a not in OFFLINE_ENV)}
                     for k, s in systems.items()},

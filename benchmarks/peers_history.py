@@ -109,11 +109,15 @@ def header(run: dict[str, Any], n_runs: int) -> list[str]:
         f"{SPREAD_RUNS} runs of this kind (number of runs in brackets)",
         "- load: `vllm bench serve` (vLLM's own client, from its venv) sets every headline number; "
         "`pdserve bench` is the second opinion; `client CPU` is the load tool's own CPU use over the "
-        "measured interval (100% = one core), on the same cores as the server",
+        "measured interval (100% = one core), on the same cores as the server; `vllm bench serve` sends text "
+        "(random token ids decoded, tokenized by each server), `pdserve bench` token ids; every request streams, "
+        "greedy, `ignore_eos`, after an unrecorded warm-up of the same shape",
+        "- llama-server runs GGUFs made by llama.cpp's own `convert_hf_to_gguf.py` (F32 beside fp32, Q8_0 beside "
+        "int8) with its default f16 KV cache; pdserve and vLLM keep fp32 KV",
         "- scheduler limits: every server gets pdserve's (max-num-seqs 64, max-num-batched-tokens 2048, "
         "prefix caching on, block size 16; llama-server: a 2048-token batch, one slot per request in flight), "
         "except vLLM's block size, 32: its CPU attention takes multiples of 32 only",
-        "- ratios: against the better of the two vLLM thread budgets and against llama-server, per metric; "
+        "- ratios: against the better of the two vLLM thread budgets and of the two llama-server ones, per metric; "
         "above 1 is better for tok/s, below 1 is better for latency",
         "",
     ]
@@ -171,7 +175,8 @@ def row(sys_: dict, c: dict, second: dict, vllm: list[dict], llama: list[dict], 
 def systems_table(run: dict[str, Any]) -> list[str]:
     lines = ["## Servers as started", "",
              "Every server is started fresh for its turn, on 127.0.0.1 and a free port (`--port` is left out below).",
-             "", "| server | threads | command | environment |", "|---|---|---|---|"]
+             "", "| checkpoint | server | threads | command | environment |", "|---|---|---|---|---|"]
     for s in run["systems"].values():
-        lines.append(f"| {s['title']} | {s['budget']} | `{s['command']}` | `{s['env'] or '—'}` |")
+        lines.append(f"| {s.get('checkpoint', '')} | {s['title']} | {s['budget']} | `{s['command']}` | "
+                     f"`{s['env'] or '—'}` |")
     return lines + [""]

@@ -80,6 +80,9 @@ def vllm_bench_argv(
         "--seed", str(shape.seed),
         "--ignore-eos",
         "--temperature", "0",
+        # A wave of its own first requests (text prompts, which the warm-up by pdserve bench's token
+        # ids does not exercise), unrecorded, before the measured ones.
+        "--num-warmups", str(shape.concurrency),
         "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99",
         "--save-result",
