@@ -86,7 +86,7 @@ def report(history: list[dict[str, Any]]) -> str:
     if not runs:
         return "# pdserve and its peers\n\nNo run recorded yet (benchmarks/results/peers_runs.jsonl is empty).\n"
     latest = runs[-1]
-    lines = header(latest, len(runs))
+    lines = header(latest, len(runs)) + summary_table(history, latest)
     for key, wl in latest["workloads"].items():
         lines += workload_table(history, latest, key, wl)
     lines += systems_table(latest)
@@ -126,6 +126,34 @@ def header(run: dict[str, Any], n_runs: int) -> list[str]:
     if run.get("note"):
         lines += [f"**{run['note']}**", ""]
     return lines
+
+
+def best_of(cells: dict[str, dict], systems: dict, side: str, metric: str) -> tuple[float | None, str]:
+    """The best value of `metric` among one side's servers, and which server it is."""
+    mine = [(c[metric], s) for s, c in cells.items() if systems[s]["side"] == side and c.get(metric) is not None]
+    if not mine:
+        return None, ""
+    v, s = (max if metric in HIGHER_IS_BETTER else min)(mine)
+    return v, systems[s]["title"]
+
+
+def summary_table(history: list[dict], run: dict) -> list[str]:
+    """Per workload: pdserve's best server against each peer's best, for tok/s and TTFT p50."""
+    lines = ["## Summary: each side's best server per workload", "",
+             "| workload | pdserve tok/s (server) | vLLM | llama-server | pdserve TTFT p50 ms | vLLM | llama-server |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for key, wl in run["workloads"].items():
+        cells = {s: cell(history, run["run"], key, s, INDEPENDENT) for s in wl["systems"]}
+        out = [wl["title"]]
+        for metric in ("output_throughput", "p50_ttft_ms"):
+            ours, which = best_of(cells, run["systems"], "pdserve", metric)
+            vllm, _ = best_of(cells, run["systems"], "vllm", metric)
+            llama, _ = best_of(cells, run["systems"], "llama.cpp", metric)
+            out += [f"{fmt(ours)} ({which})" if which else "—",
+                    f"{fmt(vllm)} ({ratio(ours, vllm)})" if vllm else "—",
+                    f"{fmt(llama)} ({ratio(ours, llama)})" if llama else "—"]
+        lines.append("| " + " | ".join(out) + " |")
+    return lines + ["", "In brackets: pdserve's best / that peer's best.", ""]
 
 
 def workload_table(history: list[dict], run: dict, key: str, wl: dict[str, Any]) -> list[str]:

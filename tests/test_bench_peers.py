@@ -187,6 +187,7 @@ def test_history_report_shows_the_latest_run_and_the_spread(tmp_path: Path) -> N
     assert "run `r2`" in text and "Smoke run" in text  # the latest run, whatever it is
     # pdserve PD, run r2: median of 900 and 1080 = 990; best vLLM 2t: 150 x 3 x 1.1 = 495; llama 660.
     assert "| pdserve PD | 1+1 | 990.0 | 2.00× | 1.50× |" in text
+    assert "| W | 990.0 (pdserve PD) | 495.0 (2.00×) | 660.0 (1.50×) |" in text  # each side's best
     assert "990.0–990.0 (1)" in text  # the smoke run's spread has only smoke runs in it
     full = peers_history.report([r for r in history if r["run"] != "r2"])
     assert "330.0–660.0 (2)" in full and "Smoke run" not in full
