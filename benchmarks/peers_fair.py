@@ -267,24 +267,31 @@ class Run:
     checkpoints: dict[str, Checkpoint]
 
 
-def shape(wl: Workload, seed: int, warmup: bool = False) -> peers_load.Shape:
-    if warmup:  # other prompts, short outputs, one wave
-        return peers_load.Shape(wl.concurrency, wl.concurrency, wl.input_len, 8, wl.ratio, seed + 1000)
+def shape(wl: Workload, seed: int) -> peers_load.Shape:
     return peers_load.Shape(wl.num_prompts, wl.concurrency, wl.input_len, wl.output_len, wl.ratio, seed)
 
 
-def measure_vllm_bench(run: Run, port: int, ck: Checkpoint, wl: Workload, seed: int, log_stem: str) -> dict:
+def measure_vllm_bench(
+    run: Run, port: int, ck: Checkpoint, wl: Workload, seed: int, log_stem: str, warmup: bool = False
+) -> dict:
+    """One `vllm bench serve` run; as a warm-up, one wave of other prompts with short outputs."""
     vllm_py = Path(run.args.vllm_venv) / "bin" / "python"
     result = run.work / f"{log_stem}.vllm-bench.json"
-    argv = peers_load.vllm_bench_argv(vllm_py, port, ck.name, ck.path, shape(wl, seed), result)
+    sh = shape(wl, seed)
+    if warmup:
+        sh = peers_load.Shape(wl.concurrency, wl.concurrency, wl.input_len, 8, wl.ratio, seed + 2000)
+    argv = peers_load.vllm_bench_argv(vllm_py, port, ck.name, ck.path, sh, result)
     env = {**os.environ, **OFFLINE_ENV}
     return peers_load.run_vllm_bench(argv, env, run.work / f"{log_stem}.vllm-bench.log", run.args.timeout)
 
 
 def measure_pdserve_bench(port: int, ck: Checkpoint, wl: Workload, seed: int, warmup: bool = False) -> dict:
-    """`pdserve bench` in this process; its own CPU time over the run is the client's CPU use."""
-    flags = bench_flags(wl, port, ck.path, seed, num_prompts=wl.concurrency if warmup else None,
-                        output_len=8 if warmup else None)
+    """`pdserve bench` in this process; its own CPU time over the run is the client's CPU use. The warm-up
+    draws other prompts (another seed): the same ones would be prefix-cache hits in the measurement."""
+    if warmup:
+        flags = bench_flags(wl, port, ck.path, seed + 1000, num_prompts=wl.concurrency, output_len=8)
+    else:  # its initial test request is the first measured prompt again: a prefix-cache hit after it
+        flags = [*bench_flags(wl, port, ck.path, seed), "--skip-initial-test"]
     cpu0 = time.process_time()
     with contextlib.redirect_stdout(io.StringIO()) if warmup else contextlib.nullcontext():  # no warm-up report
         r = bench_serving.benchmark(bench_serving.parse_args(flags))
@@ -306,6 +313,10 @@ def measure_server(run: Run, skey: str, sys_: System, wls: list[Workload], rnd: 
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(proc, port, timeout=run.args.startup_timeout)
+        try:  # the text-prompt path (tokenizer, detokenizer) once per server, before any measurement
+            measure_vllm_bench(run, port, ck, wls[0], run.args.seed + rnd, f"{log.stem}-warmup", warmup=True)
+        except (Exception, SystemExit) as e:
+            logger.warning("text warm-up of %s failed: %s", skey, e)
         for wl in wls:
             measure_workload(run, port, ck, skey, wl, rnd, log)
     except (Exception, SystemExit) as e:  # a server that never came up: record it, measure the others

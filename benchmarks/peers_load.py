@@ -80,9 +80,10 @@ def vllm_bench_argv(
         "--seed", str(shape.seed),
         "--ignore-eos",
         "--temperature", "0",
-        # A wave of its own first requests (text prompts, which the warm-up by pdserve bench's token
-        # ids does not exercise), unrecorded, before the measured ones.
-        "--num-warmups", str(shape.concurrency),
+        # No ready check and no warm-ups of its own: both send the first measured prompt again, which
+        # every server's prefix cache then serves; bench_peers warms each server up with other prompts.
+        "--ready-check-timeout-sec", "0",
+        "--num-warmups", "0",
         "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99",
         "--save-result",

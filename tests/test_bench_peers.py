@@ -158,6 +158,8 @@ def test_vllm_bench_command_and_client_cpu(tmp_path: Path) -> None:
     flag = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
     assert flag["--base-url"] == "http://127.0.0.1:4321" and flag["--max-concurrency"] == "2"
     assert flag["--random-input-len"] == "200" and flag["--num-prompts"] == "8" and "--ignore-eos" in argv
+    # Neither a ready check nor warm-ups of its own: they resend the first measured prompt (a prefix-cache hit).
+    assert flag["--ready-check-timeout-sec"] == "0" and flag["--num-warmups"] == "0"
     assert peers_load.cpu_seconds(os.getpid()) > 0
     samples = [(0.0, 1.0), (1.0, 1.5), (2.0, 2.5), (3.0, 2.75)]
     assert peers_load.cpu_over_last(samples, 2.0) == 1.25  # from t=1 to t=3
