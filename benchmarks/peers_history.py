@@ -86,11 +86,24 @@ def report(history: list[dict[str, Any]]) -> str:
     if not runs:
         return "# pdserve and its peers\n\nNo run recorded yet (benchmarks/results/peers_runs.jsonl is empty).\n"
     latest = runs[-1]
-    lines = header(latest, len(runs)) + summary_table(history, latest)
-    for key, wl in latest["workloads"].items():
-        lines += workload_table(history, latest, key, wl)
-    lines += systems_table(latest)
+    shown = latest_per_workload(runs)
+    lines = header(latest, len(runs)) + summary_table(history, shown)
+    for key, (run, wl) in shown.items():
+        lines += workload_table(history, run, key, wl, latest)
+    for run in {id(r): r for r, _ in shown.values()}.values():
+        lines += systems_table(run)
     return "\n".join(lines) + "\n"
+
+
+def latest_per_workload(runs: list[dict[str, Any]]) -> dict[str, tuple[dict, dict]]:
+    """Each workload from the latest run of the latest run's kind (smoke or full) that measured it, so a
+    run of some workloads only (`--checkpoints`, `--workloads`) leaves the others' latest in the report."""
+    kind = bool(runs[-1].get("quick"))
+    shown: dict[str, tuple[dict, dict]] = {}
+    for run in reversed([r for r in runs if bool(r.get("quick")) == kind]):
+        for key, wl in run["workloads"].items():
+            shown.setdefault(key, (run, wl))
+    return shown
 
 
 def header(run: dict[str, Any], n_runs: int) -> list[str]:
@@ -137,12 +150,12 @@ def best_of(cells: dict[str, dict], systems: dict, side: str, metric: str) -> tu
     return v, systems[s]["title"]
 
 
-def summary_table(history: list[dict], run: dict) -> list[str]:
+def summary_table(history: list[dict], shown: dict[str, tuple[dict, dict]]) -> list[str]:
     """Per workload: pdserve's best server against each peer's best, for tok/s and TTFT p50."""
     lines = ["## Summary: each side's best server per workload", "",
              "| workload | pdserve tok/s (server) | vLLM | llama-server | pdserve TTFT p50 ms | vLLM | llama-server |",
              "|---|---|---:|---:|---:|---:|---:|"]
-    for key, wl in run["workloads"].items():
+    for key, (run, wl) in shown.items():
         cells = {s: cell(history, run["run"], key, s, INDEPENDENT) for s in wl["systems"]}
         out = [wl["title"]]
         for metric in ("output_throughput", "p50_ttft_ms"):
@@ -156,7 +169,7 @@ def summary_table(history: list[dict], run: dict) -> list[str]:
     return lines + ["", "In brackets: pdserve's best / that peer's best.", ""]
 
 
-def workload_table(history: list[dict], run: dict, key: str, wl: dict[str, Any]) -> list[str]:
+def workload_table(history: list[dict], run: dict, key: str, wl: dict[str, Any], latest: dict) -> list[str]:
     systems = run["systems"]
     cells = {s: cell(history, run["run"], key, s, INDEPENDENT) for s in wl["systems"]}
     second = {s: cell(history, run["run"], key, s, "pdserve-bench") for s in wl["systems"]}
@@ -165,7 +178,9 @@ def workload_table(history: list[dict], run: dict, key: str, wl: dict[str, Any])
     lines = [
         f"## {wl['title']}",
         "",
-        f"{wl['describe']}; checkpoint `{wl['checkpoint']}`.",
+        f"{wl['describe']}; checkpoint `{wl['checkpoint']}`."
+        + ("" if run is latest else f" From run `{run['run']}` ({run['date']}, commit `{run['commit']}`), "
+           "the latest that measured it."),
         "",
         "| server | threads | tok/s | ×vLLM | ×llama | TTFT p50 ms | ×vLLM | ×llama | ITL p50 | ITL p99 | TPOT | "
         "ok / failed | client CPU | pdserve bench tok/s, TTFT p50 | tok/s, last runs | TTFT p50, last runs |",
@@ -201,7 +216,7 @@ def row(sys_: dict, c: dict, second: dict, vllm: list[dict], llama: list[dict], 
 
 
 def systems_table(run: dict[str, Any]) -> list[str]:
-    lines = ["## Servers as started", "",
+    lines = [f"## Servers as started in run `{run['run']}`", "",
              "Every server is started fresh for its turn, on 127.0.0.1 and a free port (`--port` is left out below).",
              "", "| checkpoint | server | threads | command | environment |", "|---|---|---|---|---|"]
     for s in run["systems"].values():

@@ -193,3 +193,20 @@ def test_history_report_shows_the_latest_run_and_the_spread(tmp_path: Path) -> N
     assert "990.0–990.0 (1)" in text  # the smoke run's spread has only smoke runs in it
     full = peers_history.report([r for r in history if r["run"] != "r2"])
     assert "330.0–660.0 (2)" in full and "Smoke run" not in full
+
+
+def test_report_keeps_each_workloads_latest_run(tmp_path: Path) -> None:
+    """A run of some workloads only (e.g. --checkpoints tiny) leaves the others' latest run in the report."""
+    path = tmp_path / "peers_runs.jsonl"
+    pd = {"tiny/pd": {"title": "pdserve PD", "side": "pdserve", "budget": "1+1", "command": "p", "env": ""}}
+    for run_id, wl_key in (("r0", "a"), ("r1", "b")):
+        peers_history.append(path, {"kind": "run", "run": run_id, "date": "d", "commit": "c", "command": "x",
+                                    "machine": "m", "load_start": "0", "quick": False, "rounds": 1, "note": "",
+                                    "versions": {}, "systems": pd, "workloads": {wl_key: {
+                                        "title": f"W{wl_key}", "describe": "d", "checkpoint": "c",
+                                        "systems": ["tiny/pd"]}}})
+        peers_history.append(path, {"kind": "measurement", "run": run_id, "round": 0, "workload": wl_key,
+                                    "system": "tiny/pd", "tool": "vllm-bench", "output_throughput": 42.0,
+                                    "p50_ttft_ms": 1.0, "completed": 1, "failed": 0})
+    text = peers_history.report(peers_history.load(path))
+    assert "## Wa" in text and "## Wb" in text and "From run `r0`" in text and "From run `r1`" not in text
