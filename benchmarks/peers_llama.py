@@ -103,6 +103,9 @@ def server_argv(
         "-b", str(batch),
         "--alias", alias,
         "--no-webui",
+        # pdserve bench scrapes /metrics before and after a run; without the endpoint llama-server drops
+        # that connection, and a request sent on the same pooled connection then fails.
+        "--metrics",
     ]  # fmt: skip
 
 
