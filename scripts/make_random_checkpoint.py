@@ -63,14 +63,21 @@ def checkpoint_shapes(cfg: dict, mtp: bool) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_checkpoint(out: Path, preset: str = "qwen3-0.6b", mtp: bool = False, seed: int = 0) -> Path:
-    """The checkpoint in `out` (created): config.json, model.safetensors (fp32), the bundled tokenizer."""
+def checkpoint_config(preset: str = "qwen3-0.6b", mtp: bool = False) -> dict:
+    """config.json of a checkpoint of `preset`, with the bundled tokenizer's vocabulary and special tokens
+    (a function of its own so that tests can check a preset's shapes without writing its weights)."""
     bundled = json.loads((BUNDLED / "config.json").read_text())
     cfg = {**PRESETS[preset], "vocab_size": bundled["vocab_size"], "bos_token_id": bundled["bos_token_id"],
            "eos_token_id": bundled["eos_token_id"], "pad_token_id": bundled.get("pad_token_id"),
            "hidden_act": "silu", "torch_dtype": "float32", "use_cache": True}
     if mtp:
         cfg["num_nextn_predict_layers"] = 1
+    return cfg
+
+
+def write_checkpoint(out: Path, preset: str = "qwen3-0.6b", mtp: bool = False, seed: int = 0) -> Path:
+    """The checkpoint in `out` (created): config.json, model.safetensors (fp32), the bundled tokenizer."""
+    cfg = checkpoint_config(preset, mtp)
     gen = torch.Generator().manual_seed(seed)
     std = 0.02  # transformers' initializer_range for Qwen3
     tensors = {}
