@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import bench_serving, peers_history, peers_llama, peers_load
-from benchmarks.bench_peers import (
+from benchmarks.compare import free_port, wait_healthy
+from benchmarks.peers_common import (
     OFFLINE_ENV,
     REPO,
     Online,
@@ -51,7 +52,6 @@ from benchmarks.bench_peers import (
     versions,
     vllm_preload,
 )
-from benchmarks.compare import free_port, wait_healthy
 from engine.config import DEFAULT_MODEL_DIR
 from server.procs import stop_process_group
 
