@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from engine.config import (
@@ -34,6 +35,7 @@ from engine.config import (
 )
 from engine.types import EngineRole, KVTransferMode, ServeMode
 from server.allocator import engine_env, reexec_with_tcmalloc
+from server.supervisor import Supervisor
 
 logger = logging.getLogger("pdserve")
 
@@ -157,7 +159,8 @@ def cmd_engine(args: argparse.Namespace) -> None:
                        kv_mode=args.kv_transfer_mode, kv_layerwise_min_tokens=args.kv_layerwise_min_tokens)
 
 
-def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str, cluster_key: ClusterKey | None = None) -> None:
+def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str, cluster_key: ClusterKey | None = None,
+                  extra_counters: Callable[[], dict[str, float]] | None = None) -> None:
     import asyncio
 
     import uvicorn
@@ -172,7 +175,8 @@ def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str, cluster_k
     client = RemoteEngineClient(bind_addr, mode, max_model_len, model_cfg.vocab_size, model_cfg.eos_token_ids,
                                 dead_after_s=args.dead_after_s, max_resumes=args.max_resumes,
                                 resume_wait_s=args.resume_wait_s, local_prefill_above=args.local_prefill_above,
-                                stall_dead_after_s=args.stall_dead_after_s, cluster_key=cluster_key)
+                                stall_dead_after_s=args.stall_dead_after_s, cluster_key=cluster_key,
+                                extra_counters=extra_counters)
     app = build_app(client, load_tokenizer(model), args.served_model_name or Path(model).name,
                     api_key=args.api_key or None)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
@@ -224,6 +228,13 @@ def child_argv(args: argparse.Namespace, role: EngineRole, name: str, server_add
                    "--kv-layerwise-min-tokens", str(args.kv_layerwise_min_tokens)]
 
 
+def start_child(argv: list[str], env: dict[str, str], cpus: set[int] | None) -> subprocess.Popen:
+    proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], env=env)
+    if cpus is not None:
+        os.sched_setaffinity(proc.pid, cpus)
+    return proc
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     """Front end + engine children on one host, talking over ipc:// sockets in a private folder."""
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
@@ -237,7 +248,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # with 2, whose OpenMP barriers stall whenever the front end takes a core (benchmarks/results/layout.txt).
     threads = args.num_threads or max(1, ((os.cpu_count() or 2) - 1) // sum(n for _, n in roles))
     role_threads = {EngineRole.PREFILL: args.prefill_threads} if args.prefill_threads else {}
-    children: list[subprocess.Popen] = []
+    supervisor = Supervisor()  # restarts an engine that exits unexpectedly
     # Engine health ports are for engines deployed one per container; here every child would
     # inherit the same port and all but one would fail to bind it. The front end's /health covers them.
     env = engine_env({k: v for k, v in os.environ.items() if k != _env("--health-port")} | env_key)
@@ -245,16 +256,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
     for role, count in roles:
         for i in range(count):
             argv = child_argv(args, role, f"{role}-{i}", server_addr, run_dir, role_threads.get(role, threads))
-            children.append(subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], env=env))
-            if args.cpu_affinity == "pin":
-                os.sched_setaffinity(children[-1].pid, engine_cpus(len(children) - 1, threads, cores))
+            cpus = engine_cpus(len(supervisor.children), threads, cores) if args.cpu_affinity == "pin" else None
+            supervisor.add(f"{role}-{i}", lambda argv=argv, cpus=cpus: start_child(argv, env, cpus))
+    supervisor.start()
+    children = supervisor.processes
 
     def shutdown(*_):
-        for child in children:
+        supervisor.stop()
+        for child in children():
             if child.poll() is None:
                 child.terminate()
         deadline = time.monotonic() + 5
-        for child in children:
+        for child in children():
             try:
                 child.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -267,7 +280,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
           f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, \"temperature\": 0}}'", flush=True)
     try:
-        run_front_end(args, server_addr, ServeMode.COLOCATED if colocated else ServeMode.PD, cluster_key)
+        run_front_end(args, server_addr, ServeMode.COLOCATED if colocated else ServeMode.PD, cluster_key,
+                      supervisor.counters)
     except KeyboardInterrupt:
         pass
     finally:

@@ -90,6 +90,7 @@ FRONT_END_COUNTERS = {
     "engines_declared_dead_total": "Engines declared dead (no heartbeat for --dead-after-s, or stalled too long).",
     "engine_stalls_total": "Times an engine was seen stalled (a step far longer than its recent ones).",
     "pd_pair_breaker_trips_total": "Times a P->D pair was avoided after its KV transfers kept failing.",
+    "engine_restarts_total": "Engine processes `pdserve serve` started again after they exited unexpectedly.",
 }
 
 

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
 from engine import messages as msg
@@ -63,20 +63,23 @@ class RemoteEngineClient:
     def __init__(self, bind_addr: str, mode: ServeMode, max_model_len: int, vocab_size: int, eos_token_ids: list[int],
                  dead_after_s: float = 3.0, max_retries: int = 1, cluster_key: ClusterKey | None = None,
                  max_resumes: int = 3, resume_wait_s: float = 20.0, local_prefill_above: int = 0,
-                 stall_dead_after_s: float = 900.0, forget_after_s: float = 60.0) -> None:
+                 stall_dead_after_s: float = 900.0, forget_after_s: float = 60.0,
+                 extra_counters: Callable[[], dict[str, float]] | None = None) -> None:
         """`cluster_key` (default: from PDSERVE_CLUSTER_KEY[_FILE]) makes the engine socket CURVE-only.
         `max_retries`: fresh prefills of a request that failed before its first token reached the
         client; `max_resumes`: resumes of one that failed after (0 turns failover off);
         `resume_wait_s`: how long either waits for a live instance of the role it needs.
         `local_prefill_above`: conditional disaggregation (0: off), see `_prefill_on_decode`.
         `dead_after_s`: an engine silent this long is dead; `stall_dead_after_s`: one whose step has
-        run this long is too; `forget_after_s`: a dead one leaves /status after this long."""
+        run this long is too; `forget_after_s`: a dead one leaves /status after this long.
+        `extra_counters`: more front-end counters for /metrics (`pdserve serve`'s engine restarts)."""
         self.bind_addr = bind_addr
         self.cluster_key = cluster_key or ClusterKey.from_env()
         self.router = EngineRouter(bind_addr, self.cluster_key, dead_after_s, stall_dead_after_s, self._on_outputs)
         self.table: dict[str, Instance] = self.router.table
         self.placement = Placement()
         self.forget_after_s = forget_after_s
+        self.extra_counters = extra_counters
         self.mode = ServeMode(mode)
         self.max_model_len, self.vocab_size, self.eos_token_ids = max_model_len, vocab_size, eos_token_ids
         self.max_retries = max_retries
@@ -118,7 +121,7 @@ class RemoteEngineClient:
                 "requests_retried_total": float(self.num_retried),
                 "requests_failed_after_resume_total": float(self.num_failed_after_resume),
                 "requests_prefilled_on_decode_total": float(self.num_local_prefills),
-                **self.placement.counters()}
+                **self.placement.counters(), **(self.extra_counters() if self.extra_counters else {})}
 
     # -- EngineClient --------------------------------------------------------------------
 

@@ -287,3 +287,46 @@ def test_the_stall_rule_scales_with_the_engine_and_the_step():
     assert abs(watch.stall_after_s() - 512.0) < 1e-6 and watch.state() == LoopState.BUSY
     watch.end(ran_model=True)
     assert watch.state() == LoopState.OK and watch.recent[-1][1] == 1024
+
+
+def test_serve_restarts_an_engine_killed_under_load_and_its_streams_complete(tmp_path, reference):
+    """kill -9 of `pdserve serve`'s decode engine mid-stream: the supervisor starts it again, the
+    streams resume on it through failover and end exactly, and /metrics counts one restart."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, PDSERVE_DEBUG_STEP_DELAY="0.2")
+    with open(tmp_path / "serve.log", "w") as out:
+        serve = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--model", MODEL,
+                                  "--max-model-len", "256"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    front = FrontEnd.__new__(FrontEnd)  # its helpers, over this server
+    front.url, front.log, front.proc = url, tmp_path / "serve.log", serve
+    try:
+        front.wait_ready({"prefill-0", "decode-0"})
+
+        def decode_pid() -> int | None:
+            found = subprocess.run(["pgrep", "-P", str(serve.pid), "-f", "--", "--name decode-0"], capture_output=True,
+                                   text=True).stdout.split()
+            return int(found[0]) if found else None
+
+        victim = decode_pid()
+        assert victim is not None
+        ps = prompts(8, 445)
+
+        async def kill_decode(progress: list[int]) -> None:
+            while not any(progress):
+                await asyncio.sleep(0.02)
+            os.kill(victim, signal.SIGKILL)
+
+        results = asyncio.run(stream_all(url, ps, during=kill_decode, timeout=180))
+        assert_exact(results, ps, reference)
+        assert front.metric("pdserve:engine_restarts_total") == 1
+        assert front.metric("pdserve:requests_resumed_total") + front.metric("pdserve:requests_retried_total") >= 1
+        assert decode_pid() not in (None, victim) and front.instances()["decode-0"]["ready"]
+    finally:
+        os.killpg(serve.pid, signal.SIGTERM)
+        try:
+            serve.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait(10)
