@@ -21,7 +21,7 @@ from engine.loop_watch import LoopState, LoopWatch
 
 logger = logging.getLogger(__name__)
 
-# Between steps the loop ticks at least every 20 ms (its idle poll), so several seconds without a
+# Between steps the loop ticks at least once per idle poll (engine/process.py IDLE_POLL_MS), so seconds without a
 # tick outside a step means the loop itself is stuck.
 DEFAULT_MAX_STALL_S = 5.0
 

@@ -223,6 +223,23 @@ def _run_ignoring_disconnects(front: FrontEnd, during) -> None:
     asyncio.run(main())
 
 
+def start_serve(port: int, env: dict, log: Path) -> subprocess.Popen:
+    """`pdserve serve` of the bundled model (PD + MTP) in its own process group."""
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--model", MODEL,
+                                 "--max-model-len", "256"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+
+
+def stop_serve(serve: subprocess.Popen) -> None:
+    os.killpg(serve.pid, signal.SIGTERM)
+    try:
+        serve.wait(15)
+    except subprocess.TimeoutExpired:
+        os.killpg(serve.pid, signal.SIGKILL)
+        serve.wait(10)
+
+
 def test_serve_keys_its_own_processes_and_refuses_a_local_impostor(tmp_path):
     """`pdserve serve` with no cluster key given makes one for the processes it starts: a second local
     process that tries to register as an engine on its socket is refused, says why and exits non-zero,
@@ -230,10 +247,7 @@ def test_serve_keys_its_own_processes_and_refuses_a_local_impostor(tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_CLUSTER_KEY")}
     log = tmp_path / "serve.log"
-    with open(log, "w") as out:
-        serve = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--model", MODEL,
-                                  "--max-model-len", "256"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+    serve = start_serve(port, env, log)
     impostor = None
     try:
         url = f"http://127.0.0.1:{port}"
@@ -260,12 +274,7 @@ def test_serve_keys_its_own_processes_and_refuses_a_local_impostor(tmp_path):
                        if x.startswith("pdserve:engine_connections_refused_total "))
         assert refused >= 1
     finally:
-        os.killpg(serve.pid, signal.SIGTERM)
-        try:
-            serve.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(serve.pid, signal.SIGKILL)
-            serve.wait(10)
+        stop_serve(serve)
 
 
 def test_the_stall_rule_scales_with_the_engine_and_the_step():
@@ -295,10 +304,7 @@ def test_serve_restarts_an_engine_killed_under_load_and_its_streams_complete(tmp
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, PDSERVE_DEBUG_STEP_DELAY="0.2")
-    with open(tmp_path / "serve.log", "w") as out:
-        serve = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--model", MODEL,
-                                  "--max-model-len", "256"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+    serve = start_serve(port, env, tmp_path / "serve.log")
     front = FrontEnd.__new__(FrontEnd)  # its helpers, over this server
     front.url, front.log, front.proc = url, tmp_path / "serve.log", serve
     try:
@@ -324,9 +330,4 @@ def test_serve_restarts_an_engine_killed_under_load_and_its_streams_complete(tmp
         assert front.metric("pdserve:requests_resumed_total") + front.metric("pdserve:requests_retried_total") >= 1
         assert decode_pid() not in (None, victim) and front.instances()["decode-0"]["ready"]
     finally:
-        os.killpg(serve.pid, signal.SIGTERM)
-        try:
-            serve.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(serve.pid, signal.SIGKILL)
-            serve.wait(10)
+        stop_serve(serve)
