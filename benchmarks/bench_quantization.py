@@ -7,7 +7,7 @@ EngineCore.step timed; a variant's step time is the median step of a rep, the fa
 --reps (the box is shared: a neighbour's load only ever adds time). Weight bytes per step: every
 linear's weight as stored (int8 + its scales, bf16, fp32), which a batch-1 step reads once; the
 embedding (a row a step) is left out. The int8 variants are one engine whose linears switch kernel
-(Linear.int8_way): ours (worker/csrc/int8_linear.cpp), torch's aten._weight_int8pack_mm with the
+(Linear.int8_way): ours (worker/csrc/linear_kernels.cpp), torch's aten._weight_int8pack_mm with the
 fp32 activations, or F.linear on the int8 weight converted to fp32 for the call and the scales
 applied after (what torchao's int8 weight-only tensor does in eager mode, and what ours does above
 NARROW_MAX_ROWS rows). Then the same ways per linear, one row through 8 layers' worth of
@@ -121,15 +121,15 @@ def kernel_candidates(threads: int, layers: int = 8) -> list[dict]:
     the fp32 and bf16 weights for scale. torchao's Int8WeightOnlyConfig where it is importable."""
     import torch.nn.functional as F
 
-    from worker.models.linear import bf16_linear_available, int8_linear_available, quantize_int8
+    from worker.models.linear import bf16_linear_available, linear_kernels_available, quantize_int8
 
     torch.set_num_threads(threads)
-    int8_linear_available(), bf16_linear_available()
+    linear_kernels_available(), bf16_linear_available()
     shapes = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)] * layers
     plain = [torch.randn(n, k) * 0.02 for n, k in shapes]
     quant = [quantize_int8(w) for w in plain]
     ways = {
-        "int8: ours (int8_linear.cpp)": (lambda x, i: torch.ops.pdserve_int8.linear_int8w(x, *quant[i], None), 1),
+        "int8: ours (linear_kernels.cpp)": (lambda x, i: torch.ops.pdserve_linear.linear_int8w(x, *quant[i], None), 1),
         "int8: aten._weight_int8pack_mm": (lambda x, i: torch.ops.aten._weight_int8pack_mm(x, *quant[i]), 1),
         "int8: convert + F.linear + scale": (lambda x, i: F.linear(x, quant[i][0].float()) * quant[i][1], 1),
     }
@@ -169,7 +169,7 @@ def crossover(threads: int) -> list[dict]:
             w = torch.randn(n, k) * 0.02
             q, scale = quantize_int8(w)
             half = w.to(torch.bfloat16)
-            ways = {"int8 kernel": lambda x, q=q, s=scale: torch.ops.pdserve_int8.linear_int8w(x, q, s, None),
+            ways = {"int8 kernel": lambda x, q=q, s=scale: torch.ops.pdserve_linear.linear_int8w(x, q, s, None),
                     "int8 converted": lambda x, q=q, s=scale: F.linear(x, q.float()) * s,
                     "bf16 kernel": lambda x, h=half: torch.ops.pdserve_bf16.linear_bf16w(x, h, None),
                     "bf16 converted": lambda x, h=half: F.linear(x, h.float())}
