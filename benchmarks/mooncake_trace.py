@@ -16,8 +16,10 @@ from pathlib import Path
 import numpy as np
 
 MOONCAKE_BLOCK_SIZE = 512
-# Tail tokens past a request's last hash block are the request's own: seeded apart from every hash id.
-_TAIL_STREAM = 1 << 40
+# Seed tags that keep a block's tokens apart from any other seeded stream: numpy's SeedSequence([s, 0])
+# equals SeedSequence(s), so untagged, hash id 0 would repeat the random dataset's prompt of seed s.
+_BLOCK_STREAM = 0x6D6F6F6E
+_TAIL_STREAM = 0x7461696C  # tokens past a request's last hash block: the request's own
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRow]:
 
 def block_tokens(hash_id: int, block_size: int, allowed: np.ndarray, seed: int) -> list[int]:
     """The `block_size` tokens that hash id `hash_id` stands for (the same in every request)."""
-    rng = np.random.default_rng([seed, hash_id])
+    rng = np.random.default_rng([_BLOCK_STREAM, seed, hash_id])
     return allowed[rng.integers(0, len(allowed), size=block_size)].tolist()
 
 
@@ -72,7 +74,7 @@ def trace_prompt(row: TraceRow, index: int, block_size: int, allowed: np.ndarray
         tokens += block_tokens(h, block_size, allowed, seed)
     missing = row.input_length - len(tokens)
     if missing > 0:
-        rng = np.random.default_rng([seed, _TAIL_STREAM + index])
+        rng = np.random.default_rng([_TAIL_STREAM, seed, index])
         tokens += allowed[rng.integers(0, len(allowed), size=missing)].tolist()
     return tokens[:row.input_length]
 
