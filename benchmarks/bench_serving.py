@@ -20,10 +20,21 @@ Deliberately stricter than vLLM: a stream that carries an `{"error": ...}` event
 
 Datasets: `random` (token-id prompts of `--random-input-len` tokens, +- `--random-range-ratio`,
 after a shared prefix of `--random-prefix-len` tokens, `ignore_eos` so every request generates
-its `--random-output-len` tokens) and `sharegpt` (a ShareGPT-format JSON file, `--dataset-path`).
-Arrivals: Poisson at `--request-rate` (inf sends everything at once), gamma-distributed gaps with
-`--burstiness` as the shape, at most `--max-concurrency` in flight. Results: a printed report, and
-with `--result-dir` a JSON file plus PNG plots (latency CDFs, per-second throughput timeline).
+its `--random-output-len` tokens), `sharegpt` (a ShareGPT-format JSON file, `--dataset-path`) and
+`mooncake` (trace replay, benchmarks/mooncake_trace.py: each request sent at its timestamp /
+`--trace-speedup`, equal hash ids giving equal blocks of `--trace-block-size` tokens).
+Arrivals (benchmarks/arrivals.py): `--arrival poisson` (gamma gaps with `--burstiness` as the shape; 1 is
+Poisson) or `constant` at `--request-rate` (inf sends everything at once), at most `--max-concurrency`
+in flight. `--request-rate 1,2,4` runs each rate in turn; `sweep` first runs a synchronous probe (one
+request at a time) and a throughput probe (all at once), then `--sweep-points` rates between their
+request rates, as GuideLLM does (benchmarks/bench_sweep.py: a table and one plot over the rates).
+SLOs: `--goodput ttft:MS` or `--slo ttft_ms=...,itl_ms=...`; goodput is requests/s meeting all of
+them, SLO attainment the share of requests sent that did.
+PD hand-off: against pdserve (its /metrics has `pdserve:pd_handoff_seconds`), each request asks for
+`stream_options.include_pd_handoff` and the finish chunk carries `pd_handoff_ms`; the report has
+its percentiles beside TTFT/ITL, and the histogram's own over the run (estimated from its buckets).
+Results: a printed report, and with `--result-dir` a JSON file per rate under vLLM's --save-result
+key names, plus PNG plots (latency CDFs, per-second throughput timeline).
 
 Every flag can also be set by environment variable `PDSERVE_BENCH_<FLAG>` (not `PDSERVE_<FLAG>`:
 a container that sets `PDSERVE_MODEL` or `PDSERVE_PORT` for the server must not retarget the
@@ -759,6 +770,8 @@ def format_report(r: dict) -> str:
         row("Maximum request concurrency:", r["max_concurrency"], "<10")
     row("Request rate configured (RPS):", math.inf if r["request_rate"] == "inf" else r["request_rate"])
     row("Arrivals:", r["arrival"], "<10")
+    if r.get("trace_speedup") is not None:
+        row("Trace speed-up:", r["trace_speedup"])
     row("Benchmark duration (s):", r["duration"])
     row("Total input tokens:", r["total_input_tokens"], "<10")
     row("Total generated tokens:", r["total_output_tokens"], "<10")
@@ -870,7 +883,8 @@ def save_result(args: argparse.Namespace, result: dict, outputs: list[RequestRes
     """RESULT.json (vLLM's --save-result keys, plus ours) and its PNGs."""
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = name or args.result_filename or f"bench-{_rate_tag(result['request_rate'])}qps-{result['date']}.json"
+    traffic = "trace" if result["arrival"] == "trace" else f"{_rate_tag(result['request_rate'])}qps"
+    name = name or args.result_filename or f"bench-{traffic}-{result['date']}.json"
     json_path = out_dir / name
     json_path.write_text(json.dumps(result, indent=1, default=float))
     return [json_path, *save_plots(result, outputs, json_path.with_suffix(""))]
