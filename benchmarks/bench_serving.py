@@ -827,7 +827,8 @@ def format_report(r: dict) -> str:
 
 
 def save_plots(result: dict, outputs: list[RequestResult], stem: Path) -> list[Path]:
-    """Latency CDFs (TTFT, TPOT, ITL, E2EL) and the per-second throughput timeline, as PNGs."""
+    """Latency CDFs (TTFT, TPOT, ITL, E2EL), the per-second throughput timeline and, in PD, each
+    request's hand-off against its prompt length, as PNGs."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on servers and CI
@@ -871,7 +872,23 @@ def save_plots(result: dict, outputs: list[RequestResult], stem: Path) -> list[P
     tl_path = stem.with_name(stem.name + "_throughput.png")
     fig.savefig(tl_path, dpi=90)
     plt.close(fig)
-    return [cdf_path, tl_path]
+    handoffs = [(o.prompt_len, o.handoff_ms) for o in outputs if o.success and o.handoff_ms is not None]
+    return [cdf_path, tl_path, *([_handoff_plot(handoffs, stem, plt)] if handoffs else [])]
+
+
+def _handoff_plot(points: list[tuple[int, float]], stem: Path, plt) -> Path:
+    """PD hand-off per request against its prompt length: how the KV a hand-off carries shows in it."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.scatter([p for p, _ in points], [h for _, h in points], s=12)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("hand-off (ms): P's first token -> D's")
+    ax.set_title(f"PD hand-off ({len(points)} requests)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = stem.with_name(stem.name + "_handoff.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def _rate_tag(rate: float | str) -> str:
