@@ -176,6 +176,7 @@ def test_sweep_gives_per_rate_results_a_table_and_one_plot(colocated, tmp_path, 
     assert low < runs[2]["request_rate"] < high and runs[2]["arrival"] == "constant"
     for r in runs:
         assert r["completed"] == 4 and r["slo_attainment"] == 1.0 and r["request_goodput"] == r["request_throughput"]
+        assert r["pd_handoff_count"] == 0  # colocated: no hand-off, so no request carries one
     assert len(result["sweep"]) == 3 and "Rate sweep" in report and "SLO attainment (%):" in report
     summary = strict_json(out_dir / "s-sweep.json")
     assert [row["request_rate"] for row in summary["sweep"]] == ["inf", "inf", runs[2]["request_rate"]]
@@ -252,6 +253,10 @@ def test_handoff_only_when_asked(pd):
     stamped = [c for c in asked if "pd_handoff_ms" in c]
     assert len(stamped) == 1 and stamped[0]["choices"][0]["finish_reason"] == "length"
     assert stamped[0]["pd_handoff_ms"] >= 0
+    bad = httpx.post(pd.url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "stream": True,
+        "stream_options": {"include_pd_handoff": [1]}})
+    assert bad.status_code == 400 and "include_pd_handoff" in bad.json()["error"]["param"]
 
 
 def test_handoff_from_the_stream_matches_the_metrics_histogram(pd, tmp_path, capsys):
