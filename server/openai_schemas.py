@@ -39,6 +39,9 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    # pdserve's own: the finish chunk of each choice that went through a PD hand-off carries
+    # `pd_handoff_ms` (server/streaming.py). Off unless asked, so strict clients never see it.
+    include_pd_handoff: bool = False
 
 
 class _SamplingFields(_Body):

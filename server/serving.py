@@ -73,6 +73,8 @@ class Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. (params.prompt_logprobs)
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
+    handoff_s: float | None = None  # PD: P's first token -> D's first tokens at the front end
+    report_handoff: bool = False  # stream_options.include_pd_handoff
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
@@ -90,6 +92,7 @@ class Choice:
             metrics.queue_time.observe(chunk.queue_time)
         if chunk.handoff_s is not None:
             metrics.handoff.observe(chunk.handoff_s)
+            self.handoff_s = chunk.handoff_s
         if chunk.prompt_logprobs is not None:
             self.prompt_logprobs = list(chunk.prompt_logprobs)
         if chunk.num_cached_tokens is not None:
@@ -303,9 +306,11 @@ class Serving:
 
     def new_choice(self, index: int, request_id: str, prompt_ids: list[int], params: SamplingParams,
                    stops: list[str], req, arrival: float) -> Choice:
+        options = getattr(req, "stream_options", None)
         return Choice(index=index, request_id=f"{request_id}-{index}", prompt_ids=prompt_ids, params=params,
                       detok=IncrementalDetokenizer(self.tokenizer, req.skip_special_tokens),
-                      stops=StopStringMatcher(stops, req.include_stop_str_in_output), arrival=arrival)
+                      stops=StopStringMatcher(stops, req.include_stop_str_in_output), arrival=arrival,
+                      report_handoff=bool(options and options.include_pd_handoff))
 
     def submit(self, choices: list[Choice]) -> list[AsyncIterator[GenerationChunk]]:
         """Call `generate` for every choice first, so a ValueError refuses the whole request

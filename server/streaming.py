@@ -107,5 +107,14 @@ async def _events(events: asyncio.Queue, num_choices: int, fmt: StreamFormat,
             counter.count(choice, delta)
             chunk = fmt.on_delta(choice, delta)
             if chunk is not None:
-                yield sse(counter.stamp(chunk))
+                yield sse(counter.stamp(_with_handoff(choice, delta, chunk)))
+
+
+def _with_handoff(choice: Choice, delta: Delta, chunk: dict) -> dict:
+    """The choice's finish chunk carries its PD hand-off time when the client asked for it and the
+    request went through one: the value the front end put in pdserve:pd_handoff_seconds, so a load
+    tool can report per-request hand-off percentiles that match the histogram."""
+    if choice.report_handoff and delta.finish_reason is not None and choice.handoff_s is not None:
+        chunk["pd_handoff_ms"] = choice.handoff_s * 1000.0
+    return chunk
 
