@@ -266,7 +266,7 @@ def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float
     record = tuning_record() if record is None else record
     with _locked(record) as known:
         section = known.setdefault(_machine(), {})
-        todo = [shape for shape in shapes if not isinstance(section.get(_key(shape)), dict)]
+        todo = [shape for shape in shapes if _key(shape) not in section]
         seconds = _time_each_way([lin for shape in todo for lin in shapes[shape][:2]], reps, timer) if todo else {}
         for shape in todo:
             section[_key(shape)] = _choose({way: seconds[shape, way] for way in WAYS})
@@ -333,7 +333,8 @@ def _machine() -> str:
     except OSError:
         pass
     digest = hashlib.sha1(flags.encode()).hexdigest()[:8]
-    return f"{model} (flags {digest}) | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    ways = "+".join(WAYS)  # a record of other ways (an older pdserve) holds other choices
+    return f"{model} (flags {digest}) | torch {torch.__version__} | {torch.get_num_threads()} threads | {ways}"
 
 
 def _key(shape: tuple) -> str:
