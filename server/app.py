@@ -35,7 +35,7 @@ from server.openai_schemas import (
     TokenizeCompletionRequest,
 )
 from server.protocol import EngineClient
-from server.responses import DetokenizeResponse, HealthResponse, ModelCard, ModelList, TokenizeResponse
+from server.response_bodies import DetokenizeResponse, HealthResponse, ModelCard, ModelList, TokenizeResponse
 from server.serving import Serving
 from server.status import add_status_routes
 

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.types import TokenLogprobs
 from server.errors import APIError
 from server.openai_schemas import ChatCompletionRequest
-from server.responses import (
+from server.response_bodies import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,

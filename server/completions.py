@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.types import TokenLogprobs
 from server.errors import APIError
 from server.openai_schemas import CompletionRequest
-from server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
+from server.response_bodies import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from server.serving import MAX_CHOICES, Choice, Delta, Serving, check_logprobs_count, usage
 from server.streaming import stream_response
 from server.structured import response_format_grammar

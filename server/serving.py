@@ -33,7 +33,7 @@ from server.openai_schemas import (
     CompletionRequest,
 )
 from server.protocol import EngineClient, EngineUnavailableError, GenerationChunk
-from server.responses import ChatLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage
+from server.response_bodies import ChatLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage
 
 logger = logging.getLogger(__name__)
 

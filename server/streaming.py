@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from engine.types import FinishReason
 from server.errors import error_body
-from server.responses import Usage
+from server.response_bodies import Usage
 from server.serving import Choice, Delta, Serving, choice_usage, sse, usage
 
 

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 
 from engine.types import FinishReason, GrammarKind, GrammarSpec
 from server.errors import APIError
-from server.responses import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
+from server.response_bodies import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
 from server.structured import checked_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
