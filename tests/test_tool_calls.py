@@ -16,7 +16,7 @@ import pytest
 from conftest import BUNDLED_MODEL
 from structured_harness import MODEL
 
-from server.tool_calls import ToolCallParser, parse_message
+from server.tool_calls import CallEventKind, ToolCallParser, parse_message
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
@@ -184,15 +184,51 @@ def test_parser_finds_hermes_blocks():
 
 
 def test_parser_is_split_invariant():
-    """Fed in any pieces (as a stream is), the parser gives what it gives for the whole text."""
+    """Fed in any pieces (as a stream is), the parser gives what it gives for the whole text, and
+    the streamed argument fragments of each call join to its arguments."""
     whole = parse_message(QWEN_ANSWER, "stop")
     rng = random.Random(0)
     for _ in range(50):
         cuts = sorted(rng.sample(range(1, len(QWEN_ANSWER)), rng.randint(1, 30)))
         pieces = [QWEN_ANSWER[a:b] for a, b in zip([0, *cuts], [*cuts, len(QWEN_ANSWER)])]
-        parser, content = ToolCallParser(), ""
+        parser, content, events = ToolCallParser(), "", []
         for piece in pieces:
-            content += parser.push(piece)[0]
-        content += parser.finish()
+            text, new = parser.push(piece)
+            content, events = content + text, events + new
+        rest, new = parser.finish()
+        content, events = content + rest, events + new
         assert content == whole.content
         assert [c.function for c in parser.calls] == [c.function for c in whole.tool_calls]
+        streamed = ["".join(e.text for e in events if e.index == i and e.kind == CallEventKind.ARGUMENTS)
+                    for i in range(len(parser.calls))]
+        assert streamed == [c.function.arguments for c in whole.tool_calls]
+        assert [e.kind for e in events if e.index == 0][0] == CallEventKind.STARTED
+        assert [e.kind for e in events if e.index == 0][-1] == CallEventKind.DONE
+
+
+def test_parser_streams_arguments_in_fragments():
+    """The arguments stream as they are written, not in one piece when the block closes."""
+    parser = ToolCallParser()
+    _, started = parser.push('<tool_call>\n{"name": "get_weather", "arguments": {"city": ')
+    assert [e.kind for e in started] == [CallEventKind.STARTED, CallEventKind.ARGUMENTS]
+    assert started[0].call.function.name == "get_weather" and started[1].text == '{"city":'
+    _, more = parser.push('"Rome", "days": 2}')
+    assert [(e.kind, e.text) for e in more] == [(CallEventKind.ARGUMENTS, ' "Rome", "days": 2')]
+    _, closing = parser.push("}\n</tool_call>")
+    assert [(e.kind, e.text) for e in closing] == [(CallEventKind.ARGUMENTS, "}"), (CallEventKind.DONE, "")]
+    assert parser.calls[0].function.arguments == '{"city": "Rome", "days": 2}'
+
+
+def test_parser_cut_short_call_is_no_content():
+    """A call max_tokens cut: forced, no markup is content, the call keeps what was written and
+    the finish stays `length`; a forced block cut before its head gives no call and no content."""
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    for forced in (True, False):
+        parsed = parse_message(cut, "length", forced=forced)
+        assert parsed.content is None and parsed.finish_reason == "length"
+        assert [(c.function.name, c.function.arguments) for c in parsed.tool_calls] == [("get_weather",
+                                                                                           '{"city": "Pa')]
+    for head in ('<tool_call>\n{"name": "get_w', "<tool_"):
+        parsed = parse_message(head, "length", forced=True)
+        assert parsed.content is None and not parsed.tool_calls and parsed.finish_reason == "length"
+    assert parse_message("<tool_", "length").content == "<tool_"  # auto: it may have been text
