@@ -16,7 +16,7 @@ from server.openai_schemas import ChatCompletionRequest, ResponsesRequest
 _STATELESS = "this server is stateless and keeps no responses"
 # Chat parameter names as the Responses API names them, for errors raised by the chat pipeline.
 _PARAMS = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
-           ("max_completion_tokens", "max_output_tokens"), ("messages", "input"))
+           ("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"), ("messages", "input"))
 _TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
 
