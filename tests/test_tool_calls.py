@@ -80,10 +80,11 @@ def test_parallel_required_calls_are_each_valid(servers):
     assert choice.finish_reason in ("tool_calls", "length")
 
 
-def _reassemble(stream) -> tuple[dict[int, dict], str, str | None]:
-    """What the OpenAI SDK's stream helpers do: join every tool-call delta by index."""
+def _reassemble(stream) -> tuple[dict[int, dict], str, str | None, int]:
+    """What the OpenAI SDK's stream helpers do: join every tool-call delta by index; also counts
+    the deltas that carried a non-empty arguments fragment."""
     calls: dict[int, dict] = {}
-    content, finish = "", None
+    content, finish, fragments = "", None, 0
     for chunk in stream:
         for c in chunk.choices:
             content += c.delta.content or ""
@@ -93,8 +94,33 @@ def _reassemble(stream) -> tuple[dict[int, dict], str, str | None]:
                 if d.function is not None:
                     entry["name"] += d.function.name or ""
                     entry["arguments"] += d.function.arguments or ""
+                    fragments += bool(d.function.arguments)
             finish = c.finish_reason or finish
-    return calls, content, finish
+    return calls, content, finish, fragments
+
+
+@pytest.mark.parametrize("config", ["pd_mtp", "colocated"])
+def test_forced_call_cut_by_max_tokens_has_no_markup(servers, config):
+    """tool_choice required, max_tokens too small for the call: finish_reason length, no
+    `<tool_call>` markup in content, streamed or not; the call keeps the arguments written so far."""
+    client = servers.client(config)
+    kwargs = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                  temperature=1.0, seed=5)
+    full = client.chat.completions.create(max_tokens=160, **kwargs)
+    assert full.choices[0].finish_reason == "tool_calls"
+    n = full.usage.completion_tokens
+    for max_tokens in (2, n // 2, n - 2):  # in the head, in the arguments, at the closing brace
+        whole = client.chat.completions.create(max_tokens=max_tokens, **kwargs).choices[0]
+        assert whole.finish_reason == "length" and whole.message.content is None, whole
+        calls, content, finish, _ = _reassemble(client.chat.completions.create(stream=True, max_tokens=max_tokens,
+                                                                                **kwargs))
+        assert finish == "length" and content == ""
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+            [(t.function.name, t.function.arguments) for t in whole.message.tool_calls or []]
+        for call in whole.message.tool_calls or []:
+            assert "tool_call>" not in call.function.arguments
+            assert full.choices[0].message.tool_calls[0].function.arguments.startswith(call.function.arguments)
+    assert calls, "the latest cut should have left a call started"
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
@@ -103,7 +129,8 @@ def test_streamed_deltas_reassemble_to_the_non_streamed_call(servers, tool_choic
     kwargs = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice=tool_choice, max_tokens=160,
                   temperature=1.0, seed=11)
     whole = client.chat.completions.create(**kwargs).choices[0]
-    calls, content, finish = _reassemble(client.chat.completions.create(stream=True, **kwargs))
+    calls, content, finish, fragments = _reassemble(client.chat.completions.create(stream=True, **kwargs))
+    assert fragments > 1, "the arguments came in one delta, not in fragments as OpenAI streams them"
     assert finish == whole.finish_reason == "tool_calls"
     assert content == (whole.message.content or "")
     assert [(c["name"], c["arguments"]) for c in calls.values()] == \
