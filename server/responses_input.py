@@ -138,8 +138,16 @@ def _tool_choice(choice: Any) -> Any:
     return choice
 
 
+def _forces_calls(choice: Any) -> bool:
+    return choice == "required" or (isinstance(choice, dict) and choice.get("type") == "function")
+
+
 def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
+    """`text.format` applies to the output's text. A forced call has none, so it is not enforced
+    then (chat refuses the pair; agent SDKs send both when an agent with an output type must call a tool)."""
     fmt = req.text.format if req.text is not None else None
+    if _forces_calls(req.tool_choice):
+        return None
     if fmt is None or fmt.type != "json_schema":
         return None if fmt is None else {"type": fmt.type}
     if fmt.schema_ is None:
