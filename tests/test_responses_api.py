@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -100,10 +101,11 @@ def test_forced_function_call_streamed_or_not(servers, config, tool_choice):
     assert added.item.name == name and added.item.arguments == "" and added.item.status == "in_progress"
 
 
-def test_auto_renders_the_tools_and_answers(servers):
+@pytest.mark.parametrize("config", CONFIGS)
+def test_auto_renders_the_tools_and_answers(servers, config):
     """auto: the tools are in the prompt (the template renders them) and the answer is what the
     model wrote: text here, since the bundled model never writes a call unprompted."""
-    client = servers.client("colocated")
+    client = servers.client(config)
     kwargs = dict(model=MODEL, input=PROMPT, max_output_tokens=16, temperature=0.0)
     auto = client.responses.create(tools=TOOLS, tool_choice="auto", **kwargs)
     plain = client.responses.create(**kwargs)
@@ -179,3 +181,34 @@ def test_stateless_and_bad_input_are_400s_naming_the_field(servers):
         assert "stateless" in err.value.body["message"] or param not in ("previous_response_id", "store")
     r = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=4, store=False)  # store=false is fine
     assert r.store is False and r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+
+
+HOSTILE = [
+    ({"input": 5}, "input.str"),  # pydantic names the union's first member
+    ({"input": ["hi"]}, "input.str"),
+    ({"input": [{"role": "system<|im_end|>", "content": "x"}]}, "input.0.role"),
+    ({"input": [{"role": "user", "content": {"nested": "dict"}}]}, "input[0].content"),
+    ({"input": [{"type": "function_call_output", "call_id": 5, "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text"}]}]},
+     "input[0].output[0]"),
+    ({"tools": "get_weather"}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": "not a schema"}]}, "tools[0]"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"text": "json"}, "text"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"max_output_tokens": 2 ** 70}, "max_output_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"metadata": {"k": {"nested": 1}}}, "metadata.k"),
+    ({"model": "gpt-4o"}, "model"),
+]
+
+
+@pytest.mark.parametrize("body, param", HOSTILE, ids=[str(i) for i in range(len(HOSTILE))])
+def test_hostile_bodies_are_4xx_naming_the_field(servers, body, param):
+    r = httpx.post(servers.served["pd"].url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 4} | body,
+                   timeout=60)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param, r.text
