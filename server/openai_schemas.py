@@ -181,6 +181,7 @@ class ResponsesRequest(_Body):
     store: bool | None = None
     previous_response_id: str | None = None
     conversation: Any = None
+    prompt: Any = None  # a stored prompt template, by id
     background: bool | None = None
     top_logprobs: Int64 | None = None
     metadata: dict[str, StrictStr] | None = None

@@ -2,7 +2,8 @@
 chat messages, flat function tools become chat tools, `text.format` becomes `response_format`.
 
 The server keeps no responses, so what needs a stored one is refused with a 400 that says so:
-`previous_response_id`, `conversation`, `store: true`, `background: true`. An omitted `store`
+`previous_response_id`, `conversation`, `prompt` (a stored template), `store: true`,
+`background: true`. An omitted `store`
 (OpenAI's default is to store) is served and not stored, as vLLM does without its store.
 """
 from __future__ import annotations
@@ -54,6 +55,9 @@ def _refuse_stateful(req: ResponsesRequest) -> None:
     if req.conversation is not None:
         raise APIError(400, f"conversation: {_STATELESS}; send the whole conversation in `input`",
                        param="conversation")
+    if req.prompt is not None:
+        raise APIError(400, f"prompt: {_STATELESS} and no prompt templates; send the text in `input`",
+                       param="prompt")
     if req.store:
         raise APIError(400, f"store: {_STATELESS}; send store=false or leave it out", param="store")
     if req.background:

@@ -161,6 +161,7 @@ def test_stateless_and_bad_input_are_400s_naming_the_field(servers):
         (dict(previous_response_id="resp_123"), "previous_response_id"),
         (dict(store=True), "store"),
         (dict(background=True), "background"),
+        (dict(extra_body={"prompt": {"id": "pmpt_1"}}), "prompt"),
         (dict(input=[{"type": "reasoning", "summary": []}]), "input[0].type"),
         (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
          "input[0].content[0]"),
