@@ -14,7 +14,11 @@ The format is the Hermes one that Qwen2/Qwen3 chat templates teach their models:
   each with a declared name and arguments that follow that tool's `parameters` schema.
 
 One parser serves both answers: the non-streaming message is the streaming parser fed the whole
-text at once, so streamed deltas reassemble to exactly the non-streamed call.
+text at once, so streamed deltas reassemble to exactly the non-streamed call. A call's arguments
+stream in fragments as they are written (as OpenAI streams them), and are the text the model
+wrote, so the fragments join to the non-streamed arguments. A forced call that max_tokens cuts
+short is a call with the arguments written so far and `finish_reason: "length"`, never markup
+in `content`.
 """
 from __future__ import annotations
 
