@@ -81,6 +81,7 @@ class EngineCore:
     def set_kv_connector(self, connector: KVConnector) -> None:
         """Before the first request: the connector of this engine's role."""
         self.connector = self.scheduler.connector = connector
+        connector.step_seconds = self.scheduler.step_cost.predict
         self.runner.proposes_drafts = not connector.hands_off
         if connector.taps_layers:  # prefill: attention reports each layer's KV writes to the connector
             self.runner.kv_tap = KVTap(self.runner.kv_cache, self.config.block_size, connector.tap_target,
