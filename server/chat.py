@@ -22,13 +22,13 @@ from server.responses import (
 )
 from server.serving import Choice, Delta, Serving, check_logprobs_count, usage
 from server.streaming import stream_response
-from server.structured import response_format_grammar
+from server.structured import checked_response_format, response_format_grammar
 from server.tool_calls import ToolCallParser, ToolPlan, call_deltas, finish_reason_for, parse_message, plan_tools
 
 
 async def create_chat_completion(serving: Serving, request: Request, req: ChatCompletionRequest,
                                  release: Callable[[], None], arrival: float) -> Response:
-    request_id, ids, choices, tools = _choices(serving, req, arrival)
+    request_id, ids, choices, tools = await _choices(serving, req, arrival)
     streams = serving.submit(choices)
     fmt = ChatFormat(serving, req, request_id, ids, choices, tools)
     if req.stream:
@@ -37,8 +37,8 @@ async def create_chat_completion(serving: Serving, request: Request, req: ChatCo
     return JSONResponse(fmt.response(usage(choices)).body())
 
 
-def _choices(serving: Serving, req: ChatCompletionRequest,
-             arrival: float) -> tuple[str, list[int], list[Choice], ToolPlan]:
+async def _choices(serving: Serving, req: ChatCompletionRequest,
+                   arrival: float) -> tuple[str, list[int], list[Choice], ToolPlan]:
     stops = serving.check_common(req)
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     grammar = response_format_grammar(req.response_format)
@@ -46,13 +46,15 @@ def _choices(serving: Serving, req: ChatCompletionRequest,
         if grammar is not None:
             raise APIError(400, "response_format: cannot be combined with tool_choice 'required' or a named "
                                 "function", param="response_format")
-        grammar = tools.grammar
+        grammar = tools.grammar = await serving.grammars.check(tools.grammar, "tools")
+    else:
+        grammar = await checked_response_format(serving.grammars, grammar)
     check_logprobs_count(req.top_logprobs, "top_logprobs")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    ids = serving.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+    ids = await serving.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                               tools.template_tools())
     serving.check_prompt(ids)
     request_id = serving.new_request_id("chatcmpl")
