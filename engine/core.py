@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.grammar import check_refs
 from engine.request import Request
 from engine.types import GrammarSpec, SamplingParams
 from engine.validation import check_prompt, check_resumed_outputs, check_token_ids
@@ -111,6 +112,7 @@ class EngineCore:
         field when it cannot be. Safe from any thread: an engine process calls it from its grammar
         thread (engine/grammar_prep.py), never from a step."""
         try:
+            check_refs(spec)
             return self.runner.grammar.compiler.compile(spec)
         except ValueError as exc:
             raise ValueError(f"sampling_params.grammar: {exc}") from None

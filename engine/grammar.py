@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.types import GrammarKind, GrammarSpec
@@ -21,6 +22,20 @@ DEFAULT_GRAMMAR_TIMEOUT_S = 10.0
 # JSON-schema keywords whose values are data, not schemas: a `$ref` key inside them is not a reference.
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "example"})
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def spec_compiler(model_dir: str | None, vocab_size: int,
+                  stop_token_ids: Sequence[int]) -> Callable[[GrammarSpec], None]:
+    """For a process that only checks specs (the front end's grammar workers): a function that
+    compiles a spec as the engines will (`model_dir` None: no tokenizer, the grammar alone), keeps
+    nothing, and raises ValueError saying why a spec does not compile. Loads the tokenizer now."""
+    from worker.structured import GrammarCompiler, build_grammar  # torch and xgrammar: only where used
+
+    if model_dir is None:
+        return build_grammar
+    compiler = GrammarCompiler(model_dir, vocab_size, stop_token_ids, cache=False)
+    compiler.load()
+    return compiler.compile_uncached
 
 
 def spec_key(spec: GrammarSpec) -> str:

@@ -51,14 +51,23 @@ class GrammarPrep:
         self._waiting[req_id] = _Waiting(item, transfer_id, self._pool.submit(self._compile, spec))
         return None
 
-    def drop(self, req_id: str, transfer_id: str | None = None) -> bool:
-        """An abort of a request still waiting for its grammar (`transfer_id`: only that attempt's)."""
+    def drop(self, req_id: str, transfer_id: str | None = None) -> Any:
+        """An abort of a request still waiting for its grammar (`transfer_id`: only that attempt's):
+        its item, or None when no such request waits here."""
         entry = self._waiting.get(req_id)
         if entry is None or (transfer_id is not None and entry.transfer_id != transfer_id):
-            return False
+            return None
         del self._waiting[req_id]
         entry.future.cancel()  # a compile already running finishes (and is cached); its result is dropped
-        return True
+        return entry.item
+
+    def clear(self) -> list[Any]:
+        """Drop every waiting request (the engine stops); their items."""
+        items = [entry.item for entry in self._waiting.values()]
+        for entry in self._waiting.values():
+            entry.future.cancel()
+        self._waiting.clear()
+        return items
 
     def ready(self) -> list[Prepared]:
         """The requests whose compile has ended, in arrival order."""

@@ -138,7 +138,7 @@ class EngineProcess:
             if isinstance(message, msg.Submit):
                 self._submit(message)
             elif isinstance(message, msg.Abort):
-                if not self.grammar_prep.drop(message.req_id, message.transfer_id or None):
+                if self.grammar_prep.drop(message.req_id, message.transfer_id or None) is None:
                     self.core.abort_request(message.req_id, message.transfer_id or None)
             elif isinstance(message, msg.Shutdown):
                 self.stopping = True

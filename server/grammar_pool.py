@@ -20,7 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from engine.grammar import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES, check_refs, spec_key, spec_size
+from engine.grammar import (
+    DEFAULT_GRAMMAR_TIMEOUT_S,
+    DEFAULT_MAX_GRAMMAR_BYTES,
+    check_refs,
+    spec_compiler,
+    spec_key,
+    spec_size,
+)
 from engine.types import GrammarSpec
 from server.errors import APIError
 
@@ -45,19 +52,11 @@ class _Unavailable(Exception):
 
 def _serve(conn: Connection, vocab: _Vocab) -> None:
     """A worker process: answer each spec with None (it compiles) or the reason it does not."""
-    import torch
-
-    from worker.structured import GrammarCompiler, build_grammar
-
-    torch.set_num_threads(1)
-    compiler = None
-    if vocab.model_dir is not None:
-        compiler = GrammarCompiler(vocab.model_dir, vocab.vocab_size, vocab.stop_token_ids, cache=False)
-        try:
-            compiler.load()
-        except ValueError as exc:
-            conn.send(str(exc))
-            return
+    try:
+        compile_spec = spec_compiler(vocab.model_dir, vocab.vocab_size, vocab.stop_token_ids)
+    except ValueError as exc:
+        conn.send(str(exc))
+        return
     conn.send(None)  # ready
     while True:
         try:
@@ -65,10 +64,7 @@ def _serve(conn: Connection, vocab: _Vocab) -> None:
         except EOFError:
             return
         try:
-            if compiler is None:
-                build_grammar(spec)
-            else:
-                compiler.compile_uncached(spec)
+            compile_spec(spec)
             conn.send(None)
         except ValueError as exc:
             conn.send(str(exc))

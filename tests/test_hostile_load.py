@@ -206,3 +206,85 @@ def test_hostile_requests_stall_no_stream(server):
     assert metric(http, "engine_stalls_total") == 0
     assert http.get("/health").status_code == 200
     assert complete(http, GREEDY) == before
+
+
+# -- the engine side, without the front end's checks ---------------------------------------------
+
+def test_an_engine_compiles_before_admission_and_fails_only_the_bad_request():
+    """What a front end would have refused, sent to an engine directly: a remote `$ref` and a schema
+    that does not compile each fail their own request; a request waiting for a slow compile is
+    aborted without a trace; a good grammar and a plain request complete."""
+    from engine.config import EngineConfig
+    from engine.types import GrammarKind, GrammarSpec, SamplingParams
+    from server.local_client import LocalEngineClient
+
+    client = LocalEngineClient(EngineConfig(model=str(BUNDLED_MODEL), max_model_len=256, block_size=16))
+
+    def spec(schema: dict) -> SamplingParams:
+        return SamplingParams(max_tokens=40, temperature=0.0,
+                              grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema)))
+
+    async def run(req_id: str, params: SamplingParams, abort_after: float | None = None) -> tuple[list[int], str]:
+        tokens, error = [], ""
+        stream = client.generate(req_id, PROMPT, params)
+        if abort_after is not None:
+            await asyncio.sleep(abort_after)
+            await client.abort(req_id)
+        async for chunk in stream:
+            tokens += chunk.token_ids
+            if chunk.finish_reason is not None:
+                error = f"{chunk.finish_reason}: {chunk.error}"
+        return tokens, error
+
+    async def main() -> list[tuple[list[int], str]]:
+        await client.start()
+        try:
+            remote = {"type": "object", "properties": {"a": {"$ref": "http://example.com/a.json"}}}
+            return await asyncio.wait_for(asyncio.gather(
+                run("remote", spec(remote)),
+                run("broken", spec({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}})),
+                run("good", spec(enum_schema(50))),
+                run("plain", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)),
+            ), 120)
+        finally:
+            await client.stop()
+
+    (_, remote), (_, broken), (good, good_end), (plain, plain_end) = asyncio.run(main())
+    assert remote.startswith("error") and "sampling_params.grammar" in remote and "example.com" in remote, remote
+    assert broken.startswith("error") and "sampling_params.grammar" in broken, broken
+    assert good_end.startswith("stop") and good, good_end
+    assert plain_end.startswith("length") and len(plain) == 8
+    assert client.core.scheduler.num_preemptions == 0 and not client.core.has_unfinished()
+
+
+def test_an_abort_drops_a_request_still_waiting_for_its_grammar():
+    """An abort (of that attempt) drops a request whose grammar is still compiling; the requests
+    queued behind it get theirs, and a grammar that does not compile comes back as an error."""
+    from engine.config import ModelConfig
+    from engine.grammar_prep import GrammarPrep
+    from engine.types import GrammarKind, GrammarSpec
+    from worker.structured import GrammarCompiler
+
+    cfg = ModelConfig.from_dir(BUNDLED_MODEL)
+    prep = GrammarPrep(GrammarCompiler(BUNDLED_MODEL, cfg.vocab_size, cfg.eos_token_ids).compile)
+
+    def schema(value: dict) -> GrammarSpec:
+        return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(value))
+
+    try:
+        assert prep.start("slow", schema(deep_schema(200)), "item-slow", "t1") is None  # seconds to build
+        assert prep.start("good", schema(enum_schema(50)), "item-good") is None
+        assert prep.start("bad", schema({"type": "nonsense"}), "item-bad") is None
+        assert prep.start("good", schema(enum_schema(50)), "again") is not None  # the id is in use
+        assert prep.drop("slow", "t0") is None and prep.drop("slow", "t1") == "item-slow"  # that attempt's abort
+        deadline = time.monotonic() + 120
+        ready = []
+        while len(prep) and time.monotonic() < deadline:
+            ready += prep.ready()
+            time.sleep(0.01)
+        assert len(prep) == 0
+        assert [(r.item, r.grammar is not None, r.error is None) for r in ready] == [
+            ("item-good", True, True), ("item-bad", False, False)]
+        assert "cannot compile" in ready[1].error
+    finally:
+        prep.close()

@@ -36,7 +36,6 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from engine.grammar import check_refs
 from engine.types import GrammarKind, GrammarSpec
 
 logger = logging.getLogger(__name__)
@@ -49,7 +48,6 @@ _CACHE_SIZE = 256
 
 def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
     """The grammar of a spec, without a tokenizer. Raises ValueError naming what is wrong."""
-    check_refs(spec)
     try:
         if spec.kind == GrammarKind.JSON_OBJECT:
             return xgr.Grammar.from_json_schema('{"type": "object"}', **_JSON_OPTIONS)
