@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import zmq
@@ -164,7 +165,7 @@ class EngineProcess:
         if (error := self.grammar_prep.start(sub.req_id, sub.params.grammar, sub, sub.transfer_id)) is not None:
             self._fail(sub, error)
 
-    def _add(self, sub: msg.Submit, grammar) -> None:
+    def _add(self, sub: msg.Submit, grammar: Any) -> None:
         try:
             self.core.add_request(sub.prompt_token_ids, sub.params, sub.req_id, sub.prefill_endpoint,
                                   sub.transfer_id, sub.output_token_ids, grammar=grammar)

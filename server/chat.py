@@ -55,7 +55,7 @@ async def _choices(serving: Serving, req: ChatCompletionRequest,
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     ids = await serving.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                              tools.template_tools())
+                                    tools.template_tools())
     serving.check_prompt(ids)
     request_id = serving.new_request_id("chatcmpl")
     choices = [serving.new_choice(i, request_id, ids,

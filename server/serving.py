@@ -153,9 +153,8 @@ class Serving:
         self.tokenizer = tokenizer
         self.model_name = model_name
         # CPU work that must not run on the event loop: compiling grammars, tokenizing prompts.
-        self.grammars = GrammarChecker(getattr(tokenizer, "name_or_path", None) if tokenizer is not None else None,
-                                       client.vocab_size, client.eos_token_ids, timeout_s=grammar_timeout_s,
-                                       max_bytes=max_grammar_bytes)
+        self.grammars = GrammarChecker(getattr(tokenizer, "name_or_path", None), client.vocab_size,
+                                       client.eos_token_ids, timeout_s=grammar_timeout_s, max_bytes=max_grammar_bytes)
         self.prompts = PromptPool(tokenizer, client.max_model_len)
         self.metrics = metrics
         self.max_queue = max_queue
