@@ -227,7 +227,9 @@ class EngineProcess:
             if logger.isEnabledFor(logging.DEBUG):  # PDSERVE_LOG_LEVEL=DEBUG: the policy's cost tables
                 logger.debug("spec policy: %s", self.core.runner.spec_policy.summary())
         return msg.Heartbeat(self.name, self.role, self.connector.kv_endpoint, stats.kv_blocks_free,
-                             stats.kv_blocks_total, stats.num_running, stats.num_waiting, counters, per_position)
+                             stats.kv_blocks_total, stats.num_running,
+                             stats.num_waiting + len(self.grammar_prep),  # waiting for their grammar count too
+                             counters, per_position)
 
     def _time_counters(self) -> dict[str, float]:
         """Where a step's time goes: the loop turn, the engine step inside it, the runner inside that."""
