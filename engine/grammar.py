@@ -55,6 +55,8 @@ def check_refs(spec: GrammarSpec) -> None:
         doc = json.loads(spec.text)
     except ValueError:
         return  # not JSON: the compiler refuses it with its own message
+    except RecursionError:
+        raise ValueError("the schema is nested too deeply") from None
     if (ref := _non_local_ref(doc)) is not None:
         raise ValueError(f"$ref {ref[:200]!r} is not a local reference (only '#...' references into the "
                          "schema itself are supported; nothing is fetched)")

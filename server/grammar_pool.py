@@ -89,7 +89,10 @@ class _Worker:
             if (error := self._recv()) is not None:
                 raise _Unavailable(error)
             self.ready = True
-        self.conn.send(spec)
+        try:
+            self.conn.send(spec)
+        except OSError:  # it died while idle (killed from outside): not this spec's fault
+            raise _Unavailable(f"the grammar worker exited (status {self.proc.exitcode})") from None
         if not self.conn.poll(budget_s):
             raise TimeoutError
         return self._recv()
@@ -152,6 +155,9 @@ class GrammarChecker:
     async def _compile(self, key: str, spec: GrammarSpec) -> str | None:
         async with self._slots:
             worker = self._idle.pop() if self._idle else None
+            if worker is not None and not worker.proc.is_alive():
+                worker.kill()  # it is gone already: nothing to wait for
+                worker = None
             loop = asyncio.get_running_loop()
             try:
                 worker = worker or await loop.run_in_executor(self._threads, _Worker, self.vocab)

@@ -174,6 +174,10 @@ def test_hostile_requests_stall_no_stream(server):
         error = assert_refused(http.post("/v1/completions", json={**GREEDY, "response_format":
                                                                   json_schema_format(remote)}), SCHEMA_PARAM)
         assert "example.com" in error["message"]
+        tool = {"type": "function", "function": {"name": "f", "parameters": remote}}
+        error = assert_refused(http.post("/v1/chat/completions", json={**chat, "tools": [tool],
+                                                                       "tool_choice": "required"}), "tools")
+        assert "example.com" in error["message"]
 
         # Huge prompts: refused by their length before they are tokenized; a smaller one that still
         # cannot fit is tokenized (off the event loop) and refused by its token count.
@@ -288,3 +292,28 @@ def test_an_abort_drops_a_request_still_waiting_for_its_grammar():
         assert "cannot compile" in ready[1].error
     finally:
         prep.close()
+
+
+REFS = [  # (schema, the non-local $ref it holds or None)
+    ({"$defs": {"a": {"type": "string"}}, "properties": {"x": {"$ref": "#/$defs/a"}}}, None),
+    ({"properties": {"x": {"$ref": "http://example.com/a.json"}}}, "http://example.com/a.json"),
+    ({"items": [{"anyOf": [{"$ref": "https://example.com/b"}]}]}, "https://example.com/b"),
+    ({"properties": {"x": {"$ref": "other.json#/a"}}}, "other.json#/a"),  # relative: another document
+    ({"$defs": {"a": {"$ref": "file:///etc/passwd"}}}, "file:///etc/passwd"),
+    ({"properties": {"$ref": {"type": "string"}}}, None),  # a property named "$ref"
+    ({"properties": {"enum": {"$ref": "http://example.com/c"}}}, "http://example.com/c"),  # named "enum"
+    ({"enum": [{"$ref": "http://example.com/data"}], "const": {"$ref": "x"}}, None),  # data, not schemas
+]
+
+
+@pytest.mark.parametrize("schema,ref", REFS, ids=[str(r) for _, r in REFS])
+def test_only_local_refs_pass(schema, ref):
+    from engine.grammar import check_refs
+    from engine.types import GrammarKind, GrammarSpec
+
+    spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema))
+    if ref is None:
+        check_refs(spec)
+    else:
+        with pytest.raises(ValueError, match=re.escape(repr(ref))):
+            check_refs(spec)
