@@ -126,3 +126,19 @@ def test_functions_are_short():
                     if lines > MAX_FUNCTION_LINES:
                         long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {lines} lines")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+PRODUCT = ("engine", "scheduler", "worker", "kv_transfer", "server")
+ENTRY_POINTS = {"server.cli"}  # pyproject's `pdserve` script
+
+
+def test_no_product_module_is_there_only_for_the_tests():
+    """Every product module is imported by another product module or a benchmark (or is an entry
+    point): what only tests use lives in tests/."""
+    graph = import_graph()
+    used = {dep for name, deps in graph.items() for dep in deps if name.split(".")[0] in PACKAGES}
+    # `from pkg import sub` of a package's own __init__ counts for the package too
+    used |= {dep.rsplit(".", 1)[0] for dep in used}
+    unused = [name for name in graph if name.split(".")[0] in PRODUCT and name not in used
+              and name not in ENTRY_POINTS and name not in PRODUCT]
+    assert not unused, f"product modules nothing of the product imports: {unused}"
