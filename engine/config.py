@@ -2,18 +2,19 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from engine import settings
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "pdserve-tiny"
 
 
 def default_model() -> str:
     """The bundled tiny model, found relative to the package so any working directory works."""
-    return os.environ.get("PDSERVE_MODEL", str(DEFAULT_MODEL_DIR))
+    return settings.MODEL.get() or str(DEFAULT_MODEL_DIR)
 
 
 @dataclass
@@ -184,8 +185,8 @@ class EngineConfig:
 
     def validate(self, model_cfg: ModelConfig) -> None:
         if self.enforce_eager is None:
-            env = os.environ.get("PDSERVE_ENFORCE_EAGER")
-            self.enforce_eager = env not in ("0", "false") if env is not None else not self.device.startswith("cuda")
+            eager = settings.ENFORCE_EAGER.get()
+            self.enforce_eager = eager if eager is not None else not self.device.startswith("cuda")
         if self.max_model_len is None:
             self.max_model_len = default_max_model_len(model_cfg)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -221,9 +222,9 @@ class EngineConfig:
 
 # -- cluster key: CURVE authentication and encryption of every engine and KV socket ----------------
 
-CLUSTER_KEY_ENV = "PDSERVE_CLUSTER_KEY"            # the cluster's CURVE secret key (z85, 40 characters)
-CLUSTER_KEY_FILE_ENV = "PDSERVE_CLUSTER_KEY_FILE"  # or a file holding it (a mounted secret)
-ALLOW_INSECURE_ENV = "PDSERVE_ALLOW_INSECURE"      # =1: bind beyond loopback without a key anyway
+CLUSTER_KEY_ENV = settings.CLUSTER_KEY.name
+CLUSTER_KEY_FILE_ENV = settings.CLUSTER_KEY_FILE.name
+ALLOW_INSECURE_ENV = settings.ALLOW_INSECURE.name
 
 
 @dataclass(frozen=True)
@@ -256,10 +257,11 @@ class ClusterKey:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> ClusterKey | None:
-        env = os.environ if environ is None else environ
-        if env.get(CLUSTER_KEY_FILE_ENV):
-            return cls.from_secret(Path(env[CLUSTER_KEY_FILE_ENV]).read_text())
-        return cls.from_secret(env[CLUSTER_KEY_ENV]) if env.get(CLUSTER_KEY_ENV) else None
+        key_file = settings.CLUSTER_KEY_FILE.get(environ)
+        if key_file:
+            return cls.from_secret(Path(key_file).read_text())
+        secret = settings.CLUSTER_KEY.get(environ)
+        return cls.from_secret(secret) if secret else None
 
     def secure_server(self, sock: Any) -> None:
         """Before bind: a CURVE server holding the cluster key."""
@@ -308,7 +310,7 @@ def check_bind(addr: str, key: ClusterKey | None, what: str) -> None:
     if key is not None or not addr.startswith("tcp://"):
         return
     host = addr[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-    if host in ("127.0.0.1", "localhost", "::1") or os.environ.get(ALLOW_INSECURE_ENV) == "1":
+    if host in ("127.0.0.1", "localhost", "::1") or settings.ALLOW_INSECURE.get():
         return
     raise ValueError(f"{what}: refusing to bind {addr} without a cluster key: anyone who reaches it could pose as "
                      f"an engine. Set {CLUSTER_KEY_FILE_ENV} (or {CLUSTER_KEY_ENV}; make one with `pdserve keygen "

@@ -17,6 +17,8 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 
+from engine import settings
+
 logger = logging.getLogger(__name__)
 
 LIBRARIES = ("tcmalloc_minimal", "tcmalloc")  # Debian/Ubuntu: libtcmalloc-minimal4 / google-perftools
@@ -31,7 +33,7 @@ def engine_env(env: Mapping[str, str], find: Callable[[str], str | None] = ctype
     """`env` with tcmalloc in LD_PRELOAD (ahead of what is there), unless PDSERVE_MALLOC=system,
     it is there already, or the system has none."""
     out = dict(env)
-    lib = None if env.get("PDSERVE_MALLOC", "auto") == "system" else find_tcmalloc(find)
+    lib = None if settings.MALLOC.get(env) == "system" else find_tcmalloc(find)
     preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
     if lib is None or any("tcmalloc" in p for p in preload):
         return out

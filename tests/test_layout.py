@@ -7,6 +7,7 @@ TYPE_CHECKING): a lazy import is still a dependency.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -14,15 +15,15 @@ PACKAGES = ("engine", "scheduler", "worker", "kv_transfer", "server", "benchmark
 
 # The modules of engine/ that the lower layers may use: plain data and configuration, which
 # import nothing of ours but each other.
-ENGINE_LEAVES = ("engine.types", "engine.config", "engine.request", "engine.sockets")
-LEAF_IMPORTS = {"engine.types": set(), "engine.config": set(), "engine.request": {"engine.types"},
-                "engine.sockets": set()}
+ENGINE_LEAVES = ("engine.types", "engine.config", "engine.request", "engine.sockets", "engine.settings")
+LEAF_IMPORTS = {"engine.types": set(), "engine.config": {"engine.settings"}, "engine.request": {"engine.types"},
+                "engine.sockets": set(), "engine.settings": set()}
 
 # What each package may import of ours (a name allows that module and everything under it).
 MAY_IMPORT = {
     "engine": ("engine", "scheduler", "worker", "kv_transfer"),                # never server/ (HTTP) or benchmarks/
     "scheduler": ("scheduler", *ENGINE_LEAVES, "kv_transfer.connector"),       # the connector is typing only
-    "worker": ("worker", "engine.types", "engine.config", "scheduler.output"),  # the step contract (§3.1)
+    "worker": ("worker", "engine.types", "engine.config", "engine.settings", "scheduler.output"),  # the step contract
     "kv_transfer": ("kv_transfer", *ENGINE_LEAVES),
     "server": ("server", "engine"),
 }
@@ -142,3 +143,22 @@ def test_no_product_module_is_there_only_for_the_tests():
     unused = [name for name in graph if name.split(".")[0] in PRODUCT and name not in used
               and name not in ENTRY_POINTS and name not in PRODUCT]
     assert not unused, f"product modules nothing of the product imports: {unused}"
+
+
+SETTINGS_MODULE = "engine/settings.py"
+PDSERVE_NAME = re.compile(r"^PDSERVE_[A-Z0-9_]*$")
+
+
+def test_only_the_settings_module_names_pdserve_variables():
+    """Every PDSERVE_* variable is declared once, in engine/settings.py; other product modules read
+    it through that module (a string constant naming one, or a prefix to build one, anywhere else
+    means a second, undeclared reader)."""
+    bad = []
+    for pkg in PRODUCT:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            if path.relative_to(REPO).as_posix() == SETTINGS_MODULE:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and PDSERVE_NAME.match(node.value):
+                    bad.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value!r}")
+    assert not bad, "PDSERVE_* names outside engine/settings.py:\n" + "\n".join(bad)

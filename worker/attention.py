@@ -20,7 +20,6 @@ op instead, which finds the step's context through `forward_context` (as vLLM's 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine import settings
 from worker.input_batch import StepLayout
 
 PAGED_MAX_QUERY = 16
@@ -41,7 +41,7 @@ SPLIT_MIN_QUERY = 256
 
 def default_backend(device: torch.device) -> str:
     """"cpp", "triton" or "torch" (the reference), from PDSERVE_ATTENTION (auto|cpp|triton|torch)."""
-    choice = os.environ.get("PDSERVE_ATTENTION", "auto")
+    choice = settings.ATTENTION.get()
     if choice != "auto":
         return choice
     if device.type == "cuda":

@@ -17,11 +17,10 @@ gives token 0 (argmax and the draws alike). So a sampled id is always in [0, voc
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from engine import settings
 from worker import cpp_build
 
 # Strict IEEE arithmetic: no reassociation, no contracted multiply-adds (see the source's header).
@@ -34,7 +33,7 @@ _FLT_MAX = torch.finfo(torch.float32).max
 def enable() -> bool:
     """Build (or load) the C++ ops unless PDSERVE_FUSED_OPS=0; whether they are in use."""
     global _enabled
-    if not _enabled and os.environ.get("PDSERVE_FUSED_OPS", "1") not in ("0", "false"):
+    if not _enabled and settings.FUSED_OPS.get():
         _enabled = cpp_build.build("fused_ops.cpp", CFLAGS, "fused elementwise ops")
     return _enabled
 

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import settings
 from worker import cpp_build
 
 logger = logging.getLogger(__name__)
@@ -288,7 +289,7 @@ def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float
 def tuning_record() -> Path | None:
     """Where tune_linears keeps its choices: PDSERVE_LINEAR_TUNING (a path, or "off" for none),
     by default ~/.cache/pdserve/linear_tuning.json."""
-    where = os.environ.get("PDSERVE_LINEAR_TUNING", str(Path.home() / ".cache" / "pdserve" / "linear_tuning.json"))
+    where = settings.LINEAR_TUNING.get() or str(Path.home() / ".cache" / "pdserve" / "linear_tuning.json")
     return None if where == "off" else Path(where)
 
 
