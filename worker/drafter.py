@@ -259,7 +259,7 @@ class MTPDrafter:
         stash only when the general path is about to read or write it (_materialize). Under load
         the policy holds k=0 for long runs of steps, and by the time drafting resumes most of those
         positions have left the window and are never copied at all; the copy itself (cold stash
-        memory) cost ~1% of a batch-16 step."""
+        memory) is a small share of a big batch's step."""
         pending = self.states.mtp_pending
         at = pending[batch.slots]
         if (at >= self.stash_positions).any():
