@@ -208,7 +208,7 @@ class SpecPolicy:
             est, n = self.acceptance[i], len(seen)
             if not est.count and i:
                 # The prior of a later position: the one before it (conditional acceptance varies
-                # little along the chain: 0.52 0.54 0.55 at temperature 1 on the bundled model, K=3).
+                # little along the chain on the bundled model, benchmarks/results/bench_spec.txt).
                 est.value = self.acceptance[i - 1].value
             # A plain mean of everything seen, the prior counted as `prior_drafts` of them, until
             # there are 1/alpha observations (the first few drafts must not count for more than they
