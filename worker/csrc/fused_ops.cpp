@@ -174,9 +174,10 @@ at::Tensor argmax(const at::Tensor& logits) {
 // ---- Inverse-CDF sampling: the first token whose running mass exceeds u times the total (a token
 // of zero mass is never picked; should rounding leave the running sum short, the last token of
 // nonzero mass). A sum in vocabulary order is one long chain of dependent additions, bound by the
-// add latency rather than throughput; here each block of kCdfBlock tokens is summed with 8 independent partial sums
-// (vectorised without reassociating anything), the blocks are walked to the one where the running
-// mass crosses the target, and only that block is scanned token by token. The sums round
+// add latency rather than throughput; here each block of kCdfBlock tokens is summed with 8
+// independent partial sums (vectorised without reassociating anything), the blocks are walked to
+// the one where the running mass crosses the target, and only that block is scanned token by token.
+// The sums round
 // differently from a sum in order, which moves a uniform that sits on a boundary in its last bit.
 constexpr int64_t kCdfBlock = 64;
 
