@@ -177,8 +177,8 @@ at::Tensor argmax(const at::Tensor& logits) {
 // add latency rather than throughput; here each block of kCdfBlock tokens is summed with 8
 // independent partial sums (vectorised without reassociating anything), the blocks are walked to
 // the one where the running mass crosses the target, and only that block is scanned token by token.
-// The sums round
-// differently from a sum in order, which moves a uniform that sits on a boundary in its last bit.
+// The sums round differently from a sum in order, which moves a uniform that sits on a boundary
+// in its last bit.
 constexpr int64_t kCdfBlock = 64;
 
 float block_sum(const float* x, int64_t n) {
