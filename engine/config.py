@@ -121,10 +121,10 @@ class KVTransferConfig:
     # benchmarks/results/bench_pd.txt measures what it costs against raw ZMQ.
     checksum: bool = False
     # prefill: when the KV goes out (engine.types.KVTransferMode); benchmarks/results/bench_pd.txt
-    # measures the hand-off latency of both: layer-wise cuts it by 54-79% on 1.5k-token prompts.
+    # measures the hand-off latency of both: layer-wise cuts it on long prompts.
     mode: str = "layerwise"
     # prefill, layer-wise: prompts shorter than this go in one message after the prefill all the same.
-    # Each layer snapshot costs P's step a fixed ~0.3 ms, more than a short prompt's whole-transfer
+    # Each layer snapshot costs P's step a fixed amount, more than a short prompt's whole-transfer
     # hand-off saves (benchmarks/results/bench_pd.txt, section (c) and the short-prompt A/B). 0: every prompt.
     layerwise_min_tokens: int = 512
 
@@ -157,19 +157,19 @@ class EngineConfig:
     draft_dtype: str = "auto"
     # The MTP layer attends only the last this many positions (0: all of them). Positions older than
     # that need no MTP pass at all (worker/drafter.py): on a prefill engine the pass over a prompt
-    # covered every position, ~1/3 more prefill work on the bundled model, whose acceptance is the
-    # same with 32 positions as with all, and 5% lower with 16 (benchmarks/results/bench_spec.txt).
-    # 32 rather than 64 halves what MTP adds to a prefill engine's work (~10% -> ~5% of a 256-token
-    # prompt's prefill), which under load competes with decode for the same cores. Output is exact either way.
+    # covered every position, a sizeable share of the prefill work on the bundled model, whose
+    # acceptance is the same with 32 positions as with all, and lower with 16
+    # (benchmarks/results/bench_spec.txt). 32 rather than 64 halves what MTP adds to a prefill
+    # engine's work, which under load competes with decode for the same cores. Output is exact either way.
     mtp_window: int = 32
     # The tokens MTP drafts over (FR-Spec): "auto" the checkpoint's draft_vocab.json where it has one
     # (the bundled model's is the training corpus' most frequent tokens, scripts/make_draft_vocab.py),
     # "full" the whole vocabulary, or a path to such a file. Output is exact either way.
     draft_vocab: str = "auto"
     # Run the model eagerly instead of compiling its forward with torch.compile (worker/compilation.py).
-    # None: PDSERVE_ENFORCE_EAGER if set, else eager on CPU, where compiling gained -8..+10% by batch size
-    # and 1-2% on long prefills (benchmarks/results/compile.txt), nothing through the server, for ~30 s
-    # more start-up per engine (10 s with a warm cache); compiled on CUDA.
+    # None: PDSERVE_ENFORCE_EAGER if set, else eager on CPU, where compiling won or lost by batch size
+    # and gained little on long prefills, nothing through the server, for a much longer start-up per
+    # engine (benchmarks/results/compile.txt); compiled on CUDA.
     enforce_eager: bool | None = None
     # How many drafts per step: "adaptive" (0..K from measured acceptance and step cost,
     # worker/spec_policy.py) or "fixed" (always K). Applies to MTP; n-gram is always fixed.

@@ -56,9 +56,9 @@ ENGINE_FLAGS = [
     ("--device", str, "cpu", "cpu | cuda"),
     ("--seed", int, 0, "default sampling seed"),
     ("--speculative-method", str, "auto", "mtp | ngram | none | auto (mtp when the model has MTP layers)"),
-    # 2, as the engine's default: with the bundled model's distilled MTP layer a third draft never paid at
-    # batch 1 offline (fixed K=3 1.43x against K=2 1.57x at T=1), and the server's noisy step timings
-    # had the adaptive policy pick it on most batch-1 steps in some runs (1.21x where k=2 gave 1.38x).
+    # 2, as the engine's default: with the bundled model's distilled MTP layer a third draft does not pay
+    # at batch 1 (fixed K=3 is slower than K=2, benchmarks/results/bench_spec.txt), and allowing it lets
+    # the server's noisy step timings lead the adaptive policy to pick it where K=2 is faster.
     ("--num-speculative-tokens", int, EngineConfig.num_speculative_tokens,
      "draft tokens per step (the most, under --spec-policy adaptive)"),
     ("--spec-policy", str, "adaptive", "adaptive (0..K drafts per step from measured acceptance and cost) | fixed"),

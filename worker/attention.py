@@ -33,9 +33,9 @@ from worker.input_batch import StepLayout
 
 PAGED_MAX_QUERY = 16
 # A chunk after a cached prefix attends the prefix and its own tokens in two SDPA calls merged by
-# log-sum-exp (below) from this many queries on: measured on 1 core, 952 queries after 548 cached
-# 21.7 -> 16.5 ms a layer, 512 after 1000 12.2 -> 10.4 ms; below ~256 the second call and the merge
-# cost more than the masked call's wasted half (100 after 150: 497 vs 548 us).
+# log-sum-exp (below) from this many queries on: one masked call over prefix and chunk also computes
+# the masked half of the chunk's scores against itself, which the split saves on long chunks; on short
+# ones the second call and the merge cost more than that wasted half (measured on one core).
 SPLIT_MIN_QUERY = 256
 
 

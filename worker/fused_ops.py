@@ -3,7 +3,7 @@ the same library holds the C++ token-bookkeeping kernels that worker/kernels.py 
 
 A decode step on a CPU is a few rows, so the decoder layer's elementwise work costs what its
 dispatches cost: RMSNorm alone is seven torch ops. And torch's CPU argmax over the vocabulary
-tracks its index element by element (~110 us for 16 rows of 4096, against ~12 us vectorised).
+tracks its index element by element, several times slower than a vectorised pass.
 For fp32 CPU tensors in eager mode each function here is one C++ op doing the same arithmetic in
 one pass (bf16 too for RMSNorm); otherwise (another dtype or device, a torch.compile trace --
 Inductor fuses these itself --, `PDSERVE_FUSED_OPS=0`, or no compiler to build with) it runs the
