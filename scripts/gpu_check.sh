@@ -28,3 +28,7 @@ transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained("/tmp/qwen2-m
 PY
 python3 benchmarks/bench_offline.py --model /tmp/qwen2-mid --device cuda --num-prompts 64 --new-tokens 128 2>&1 | grep -v Loading | tee "$OUT/gpu_bench.log"
 python3 benchmarks/bench_offline.py --model /tmp/qwen2-mid --device cuda --dtype bfloat16 --num-prompts 64 --new-tokens 128 2>&1 | grep -v Loading | tee -a "$OUT/gpu_bench.log"
+# Greedy exactness at real size (issue 46): a random 0.5B-class Qwen3 in fp32, bf16 and int8 weights on CUDA
+# against transformers fp32 on the same weights (on CUDA bf16 is bf16 arithmetic: agreement, not exactness).
+python3 scripts/make_random_checkpoint.py /tmp/q06 --preset qwen3-0.6b >/dev/null
+python3 benchmarks/check_realsize.py /tmp/q06 --device cuda 2>&1 | grep '^{' | tee "$OUT/gpu_realsize.log"
