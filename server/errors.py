@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # An oversized body is read and thrown away up to this many bytes, so the client still gets
@@ -82,6 +83,8 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout",
                        headers=CLOSE) from None
+    except ClientDisconnect:  # nobody is left to answer; 499 as nginx logs it
+        raise APIError(499, "client disconnected before sending the whole body") from None
     if body is None:
         await _drain(request, deadline, limit)
         raise _too_large(limit)

@@ -15,12 +15,14 @@ from test_server_api import ServerThread
 from engine.config import EngineConfig
 from engine.process import EngineProcess
 from server.app import build_app
+from server.limits import HTTPLimits
 
 
 @dataclass
 class HTTPServed:
     url: str
     engines: dict[str, EngineProcess]  # by instance name: "colocated-0", or "prefill-0" and "decode-0"
+    server: ServerThread  # the app is server.app; its uvicorn server, server.server
 
     def hit_blocks(self, name: str) -> int:
         """Prefix-cache hits (blocks) the instance has handed out so far."""
@@ -28,8 +30,10 @@ class HTTPServed:
 
 
 @contextmanager
-def served(tmp: Path, mode: str, tokenizer, model_name: str, **config) -> Iterator[HTTPServed]:
-    """`mode` "pd" or "colocated"; `config`: EngineConfig fields for every engine."""
+def served(tmp: Path, mode: str, tokenizer, model_name: str, limits: HTTPLimits | None = None,
+           **config) -> Iterator[HTTPServed]:
+    """`mode` "pd" or "colocated"; `limits`: the app's (server/limits.py); `config`: EngineConfig
+    fields for every engine."""
     engines = ThreadedEngines(tmp)
     roles = ("prefill", "decode") if mode == "pd" else ("colocated",)
     for role in roles:
@@ -37,11 +41,11 @@ def served(tmp: Path, mode: str, tokenizer, model_name: str, **config) -> Iterat
     engines.start()
     client = client_for(engines.server_addr, config["model"], mode, config["max_model_len"])
     try:
-        with ServerThread(build_app(client, tokenizer, model_name)) as server:
+        with ServerThread(build_app(client, tokenizer, model_name, limits=limits)) as server:
             def ready() -> bool:
                 return httpx.get(f"{server.url}/health", timeout=2).status_code == 200
             wait_until(ready, 60, "the engines to register", interval=0.1)
-            yield HTTPServed(server.url, engines.procs)
+            yield HTTPServed(server.url, engines.procs, server)
             assert server.app.state.internal_errors == 0
     finally:
         engines.stop()
