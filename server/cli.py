@@ -167,7 +167,7 @@ def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str, cluster_k
 
     from engine.tokenizer import load_tokenizer
     from server.app import build_app
-    from server.limits import HTTPLimits
+    from server.limits import HTTPLimits, raise_open_files_limit
     from server.pd_client import RemoteEngineClient
 
     model = args.model or default_model()
@@ -178,6 +178,7 @@ def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str, cluster_k
                                 resume_wait_s=args.resume_wait_s, local_prefill_above=args.local_prefill_above,
                                 stall_dead_after_s=args.stall_dead_after_s, cluster_key=cluster_key,
                                 extra_counters=extra_counters)
+    raise_open_files_limit()
     limits = HTTPLimits(body_read_timeout_s=args.body_read_timeout_s,
                         max_in_flight_per_client=args.max_in_flight_per_client,
                         max_in_flight_per_key=args.max_in_flight_per_key,

@@ -5,9 +5,16 @@ The global cap lives in `Serving.acquire`; the caps here are taken first, so one
 key) can hold at most its share of the server's slots and a second one is never locked out.
 HTTP/1.1 carries one request at a time on a connection, so "per connection" is per peer address:
 a client holding many slots does it over many connections from one address.
+
+What uvicorn (h11) already bounds is left to it: request heads (`h11_max_incomplete_event_size`,
+16 KiB), idle keep-alive connections (`timeout_keep_alive`). It has no body read timeout, and h11
+takes Content-Length with Transfer-Encoding (the latter wins): both are handled in
+`server.errors.read_body`.
 """
 from __future__ import annotations
 
+import logging
+import resource
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +22,10 @@ from dataclasses import dataclass
 from server.errors import APIError
 from server.openai_schemas import ChatCompletionRequest, CompletionRequest
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_MAX_QUEUE = 512
+OPEN_FILES_TARGET = 65536  # as vLLM's API server raises it
 
 
 @dataclass(frozen=True)
@@ -102,3 +112,19 @@ def check_response_size(req: CompletionRequest | ChatCompletionRequest, max_mode
         raise APIError(400, f"{named}: the response could hold {entries} entries (choices {choices} x tokens "
                             f"{tokens} x (1 + logprobs {alternatives})), over the limit of {limit}; lower n, "
                             f"{param} or the number of logprobs", param=named)
+
+
+def raise_open_files_limit(target: int = OPEN_FILES_TARGET) -> int:
+    """Raise this process's soft limit on open files towards `target` (never above the hard limit):
+    clients that send slowly hold a connection each until their read timeout, and at a common
+    default soft limit of 1024 a few hundred of them would leave no descriptor to accept anyone
+    else with. Returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError) as exc:
+            logger.warning("could not raise the open files limit from %d to %d: %s", soft, wanted, exc)
+    return soft

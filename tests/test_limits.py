@@ -9,7 +9,6 @@ client that stops reading its stream has it aborted, and the engine frees the re
 from __future__ import annotations
 
 import json
-import resource
 import socket
 
 import httpx
@@ -20,7 +19,7 @@ from pd_harness import wait_until
 from test_server_api import GatedClient, ServerThread
 
 from server.app import build_app
-from server.limits import HTTPLimits
+from server.limits import HTTPLimits, raise_open_files_limit
 
 MODEL = "pdserve-tiny"
 GREEDY = {"prompt": [5, 17, 300, 42, 9, 77], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
@@ -195,11 +194,8 @@ def engine(tmp_path_factory, tokenizer):
 def test_slow_body_probe_a_normal_client_is_still_served(engine):
     """520 clients each send 10 of 1,000 announced bytes and hold their sockets: they hold
     connections, never serving slots, and a normal request is answered."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 4 * SLOW_CLIENTS + 256  # both ends of each socket live in this process
-    if soft < need:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
-    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= need, "the fd limit is too low for the probe"
+    need = 2 * SLOW_CLIENTS + 256  # both ends of each socket live in this process
+    assert raise_open_files_limit() >= need, "the open files limit is too low for the probe"
     connections = engine.server.server.server_state.connections
     before = set(connections)  # the uvicorn protocols of connections open already (keep-alive)
     slow: list[socket.socket] = []
