@@ -173,6 +173,21 @@ def test_a_response_too_large_is_refused_up_front(gated):
         assert _error(http.post("/v1/chat/completions", json=chat), 400)["param"] == "max_completion_tokens"
         assert small.app.state.serving.in_flight == 0
         assert small.app.state.internal_errors == 0
+    # The default bound against a 4096-token context: the issue's 72 MB response (4 prompts x n=64 x
+    # 500 tokens x 21) is refused; 2 prompts x n=64 x 4095 tokens (+1 prompt token) is within it and served.
+    client = GatedClient()
+    client.max_model_len = 4096
+    client.gate.set()
+    with ServerThread(build_app(client, None, MODEL)) as default, \
+            httpx.Client(base_url=default.url, timeout=60) as http:
+        issue = {"prompt": [[5]] * 4, "n": 64, "max_tokens": 500, "logprobs": 20}
+        assert _error(http.post("/v1/completions", json=issue), 400)["param"] == "max_tokens"
+        at_bound = {"prompt": [[5]] * 2, "n": 64, "max_tokens": 4095}
+        assert 2 * 64 * 4095 <= HTTPLimits().max_response_entries < 2 * 64 * 4095 * 2
+        assert _error(http.post("/v1/completions", json=at_bound | {"logprobs": 1}), 400)["param"] == "max_tokens"
+        r = http.post("/v1/completions", json=at_bound)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 128, r.text
+        assert default.app.state.internal_errors == 0
 
 
 # -- against the bundled model ------------------------------------------------------------------
