@@ -64,14 +64,15 @@ class ClosingStreamingResponse(StreamingResponse):
         respond = asyncio.ensure_future(super().__call__(scope, receive, send))
         cut = asyncio.ensure_future(self._cut.wait())
         try:
-            await asyncio.wait({respond, cut}, return_when=asyncio.FIRST_COMPLETED)
-            if respond.done():
-                await respond  # its outcome, exception included
+            done, _ = await asyncio.wait({respond, cut}, return_when=asyncio.FIRST_COMPLETED)
+            if respond in done:
+                respond.result()  # its outcome, exception included
         finally:
-            for task in (respond, cut):
-                task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await respond
+            cut.cancel()
+            if not respond.done():  # cut, or this call cancelled: stop the writer where it waits
+                respond.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await respond
             self._on_close()
 
 
