@@ -35,11 +35,13 @@ class HTTPLimits:
     # The whole body must arrive within this: a 4 MiB body (the size limit) at 1 Mbit/s takes
     # about half of it. A slow or stalled sender gets 408 and its connection is closed.
     body_read_timeout_s: float = 60.0
-    # Half the global cap each: one client or one key can never take the whole server. Behind a
-    # reverse proxy every request comes from the proxy's address: set the per-client cap to 0 (off).
-    max_in_flight_per_client: int = DEFAULT_MAX_QUEUE // 2
+    # Three quarters of the global cap each: one client or one key can never take the whole server,
+    # a quarter always stays for the others, and a benchmark from one host still runs hundreds of
+    # requests at once. Behind a reverse proxy every request comes from the proxy's address: set the
+    # per-client cap to 0 (off) there.
+    max_in_flight_per_client: int = DEFAULT_MAX_QUEUE * 3 // 4
     # Applies only with more than one API key (one shared key identifies the deployment, not a user).
-    max_in_flight_per_key: int = DEFAULT_MAX_QUEUE // 2
+    max_in_flight_per_key: int = DEFAULT_MAX_QUEUE * 3 // 4
     # choices x max_tokens x (1 + logprobs): one entry is one token or one top-logprob alternative,
     # a few tens of bytes of JSON. 2^19 admits n=128 x 4096 tokens, or one 4096-token choice with
     # 20 alternatives per token (86,016), while the n=256 x 500 x 21 response is refused.
