@@ -156,6 +156,25 @@ def test_per_client_and_per_key_caps_answer_429_below_the_global_cap(gated):
         assert 'pdserve:http_requests_rejected_total{status="429"} 3.0' in a.get("/metrics").text
 
 
+def test_one_shared_key_is_no_per_key_cap():
+    """With a single API key the key names the deployment, not a user: only the other caps apply."""
+    client = GatedClient()
+    limits = HTTPLimits(max_in_flight_per_client=1, max_in_flight_per_key=1)
+    holding: list = []
+    with ServerThread(build_app(client, None, MODEL, api_key="only", max_queue=4, limits=limits)) as s, \
+            httpx.Client(base_url=s.url, timeout=30, headers={"Authorization": "Bearer only"}) as a, \
+            httpx.Client(base_url=s.url, timeout=30, headers={"Authorization": "Bearer only"},
+                         transport=httpx.HTTPTransport(local_address="127.0.0.2")) as b:
+        _hold(a, holding)
+        _hold(b, holding)  # the same key from another address: served
+        assert "client address" in _error(a.post("/v1/completions", json={"prompt": [5]}), 429)["message"]
+        client.gate.set()
+        for ctx, lines in holding:
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+            ctx.__exit__(None, None, None)
+        assert s.app.state.internal_errors == 0
+
+
 def test_a_response_too_large_is_refused_up_front(gated):
     s, _ = gated
     # GatedClient's context is 64 tokens: the bound is reached with a small one.
