@@ -20,10 +20,21 @@ Deliberately stricter than vLLM: a stream that carries an `{"error": ...}` event
 
 Datasets: `random` (token-id prompts of `--random-input-len` tokens, +- `--random-range-ratio`,
 after a shared prefix of `--random-prefix-len` tokens, `ignore_eos` so every request generates
-its `--random-output-len` tokens) and `sharegpt` (a ShareGPT-format JSON file, `--dataset-path`).
-Arrivals: Poisson at `--request-rate` (inf sends everything at once), gamma-distributed gaps with
-`--burstiness` as the shape, at most `--max-concurrency` in flight. Results: a printed report, and
-with `--result-dir` a JSON file plus PNG plots (latency CDFs, per-second throughput timeline).
+its `--random-output-len` tokens), `sharegpt` (a ShareGPT-format JSON file, `--dataset-path`) and
+`mooncake` (trace replay, benchmarks/mooncake_trace.py: each request sent at its timestamp /
+`--trace-speedup`, equal hash ids giving equal blocks of `--trace-block-size` tokens).
+Arrivals (benchmarks/arrivals.py): `--arrival poisson` (gamma gaps with `--burstiness` as the shape; 1 is
+Poisson) or `constant` at `--request-rate` (inf sends everything at once), at most `--max-concurrency`
+in flight. `--request-rate 1,2,4` runs each rate in turn; `sweep` first runs a synchronous probe (one
+request at a time) and a throughput probe (all at once), then `--sweep-points` rates between their
+request rates, as GuideLLM does (benchmarks/bench_sweep.py: a table and one plot over the rates).
+SLOs: `--goodput ttft:MS` or `--slo ttft_ms=...,itl_ms=...`; goodput is requests/s meeting all of
+them, SLO attainment the share of requests sent that did.
+PD hand-off: against pdserve (its /metrics has `pdserve:pd_handoff_seconds`), each request asks for
+`stream_options.include_pd_handoff` and the finish chunk carries `pd_handoff_ms`; the report has
+its percentiles beside TTFT/ITL, and the histogram's own over the run (estimated from its buckets).
+Results: a printed report, and with `--result-dir` a JSON file per rate under vLLM's --save-result
+key names, plus PNG plots (latency CDFs, per-second throughput timeline).
 
 Every flag can also be set by environment variable `PDSERVE_BENCH_<FLAG>` (not `PDSERVE_<FLAG>`:
 a container that sets `PDSERVE_MODEL` or `PDSERVE_PORT` for the server must not retarget the
@@ -42,6 +53,7 @@ import math
 import os
 import random
 import re
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -50,6 +62,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+if __package__ in (None, ""):  # run as a script from a checkout: import this checkout's modules
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.arrivals import (  # noqa: E402
+    Arrival,
+    RunPlan,
+    arrival_offsets,
+    parse_rate,
+    parse_rate_plan,
+    sweep_rates,
+)
+from benchmarks.bench_sweep import format_sweep_table, save_sweep_plot, sweep_rows  # noqa: E402
+from benchmarks.histograms import bucket_deltas, histogram_quantile  # noqa: E402
+from benchmarks.mooncake_trace import MOONCAKE_BLOCK_SIZE, load_trace, send_offsets, trace_prompt  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +88,10 @@ SPEC_PREFIXES = ("pdserve", "vllm")
 SERVER_HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "itl": "inter_token_latency_seconds",
                      "e2el": "e2e_request_latency_seconds",
                      "handoff": "pd_handoff_seconds"}  # PD: P's first token -> D's first tokens (pdserve only)
+# Every percentile the hand-off is reported at, whatever --percentiles says: PD users read its tail.
+HANDOFF_PERCENTILES = (50.0, 90.0, 99.0)
+# Its pdserve histogram: its presence in /metrics is how the bench knows to ask for per-request values.
+HANDOFF_COUNT = "pdserve:pd_handoff_seconds_count"
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -70,6 +101,7 @@ class SampleRequest:
     prompt: list[int] | str
     prompt_len: int
     expected_output_len: int
+    send_at: float | None = None  # trace replay: seconds after the run's start (else the arrival process decides)
 
 
 @dataclass
@@ -88,6 +120,8 @@ class RequestResult:
     stalled: bool = False              # no bytes for --stall-timeout seconds (a hung request)
     timed_out: bool = False            # over the whole-request limit
     server_error: bool = False         # the server said what went wrong (HTTP error status or SSE error event)
+    handoff_ms: float | None = None    # PD: the server's `pd_handoff_ms` on the finish chunk (P's t0 -> D's first)
+    cached_tokens: int | None = None   # usage.prompt_tokens_details.cached_tokens (prefix-cache hit), if sent
 
 
 # -- flags --------------------------------------------------------------------------------------
@@ -95,10 +129,6 @@ class RequestResult:
 def _env_default(flag: str, typ, default):
     raw = os.environ.get(ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper())
     return typ(raw) if raw is not None else default
-
-
-def _rate(value: str) -> float:
-    return float("inf") if str(value).lower() in ("inf", "infinity") else float(value)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -115,8 +145,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     add("--tokenizer", str, None, "local tokenizer / checkpoint directory: vocabulary for random prompts and "
                                   "lengths for ShareGPT (default: the bundled model)")
     add("--api-key", str, os.environ.get("OPENAI_API_KEY", ""), "sent as Authorization: Bearer KEY")
-    add("--dataset-name", str, "random", "random | sharegpt", choices=["random", "sharegpt"])
-    add("--dataset-path", str, None, "ShareGPT-format JSON file (--dataset-name sharegpt)")
+    add("--dataset-name", str, "random", "random | sharegpt | mooncake (trace replay)",
+        choices=["random", "sharegpt", "mooncake"])
+    add("--dataset-path", str, None, "ShareGPT-format JSON file, or a Mooncake-format JSONL trace")
+    add("--trace-block-size", int, MOONCAKE_BLOCK_SIZE, "mooncake: prompt tokens each hash id stands for")
+    add("--trace-speedup", float, 1.0, "mooncake: divide the trace's timestamps by this (2: twice as fast)")
     add("--num-prompts", int, 100, "requests to send")
     add("--random-input-len", int, 1024, "random: prompt tokens after the shared prefix")
     add("--random-output-len", int, 128, "random: output tokens per request")
@@ -124,8 +157,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     add("--random-prefix-len", int, 0, "random: tokens of a prefix shared by every prompt")
     add("--sharegpt-output-len", int, None, "sharegpt: fixed output length (default: the dataset's answer length)")
     add("--sharegpt-max-len", int, 2048, "sharegpt: skip conversations whose prompt + answer exceed this")
-    add("--request-rate", _rate, float("inf"), "requests per second, Poisson arrivals (inf: all at once)")
-    add("--burstiness", float, 1.0, "gamma shape of the inter-arrival times (1: Poisson; <1 burstier)")
+    add("--request-rate", str, "inf", "requests per second (inf: all at once); a comma-separated list runs "
+                                      "each rate in turn; 'sweep' probes synchronous and max throughput, "
+                                      "then --sweep-points rates between them (GuideLLM's sweep)")
+    add("--arrival", str, Arrival.POISSON, "arrival process at a finite rate: constant | poisson",
+        choices=list(Arrival))
+    add("--burstiness", float, 1.0, "poisson: gamma shape of the inter-arrival times (1: Poisson; <1 burstier)")
+    add("--sweep-points", int, 8, "sweep: rates between the synchronous and the max-throughput probe")
     add("--max-concurrency", int, None, "most requests in flight at once")
     add("--seed", int, 0, "dataset and arrival seed")
     add("--temperature", float, 0.0, "sampling temperature")
@@ -134,7 +172,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="send ignore_eos (default: on for random, off for sharegpt) [PDSERVE_BENCH_IGNORE_EOS]")
     add("--percentiles", str, "99", "comma-separated percentiles reported besides mean and median")
     p.add_argument("--goodput", nargs="+", default=_env_default("--goodput", str.split, None),
-                   metavar="KEY:MS", help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000 [PDSERVE_BENCH_GOODPUT]")
+                   metavar="KEY:MS", help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000 itl:100 "
+                                          "[PDSERVE_BENCH_GOODPUT]")
+    add("--slo", str, None, "SLOs as one string, e.g. ttft_ms=500,itl_ms=50 (keys ttft_ms, tpot_ms, itl_ms, "
+                            "e2el_ms); with --goodput, both apply")
     add("--request-timeout", float, 600.0, "client-side limit on one request, seconds")
     add("--stall-timeout", float, 120.0, "fail a request that receives no bytes for this long, seconds")
     add("--metrics-url", str, None, "Prometheus endpoint for spec-decode and server-side latency "
@@ -223,34 +264,51 @@ def sample_sharegpt(path: str, num: int, tokenizer, fixed_output_len: int | None
     return out
 
 
+def sample_mooncake(path: str, num: int, block_size: int, speedup: float, vocab_size: int,
+                    special_ids: set[int], seed: int) -> list[SampleRequest]:
+    """The trace's first `num` requests as token-id prompts (shared hash ids: shared prefixes), each
+    to be sent at its timestamp / `speedup`."""
+    rows = load_trace(path, num)
+    allowed = np.array([t for t in range(vocab_size) if t not in special_ids])
+    return [SampleRequest(trace_prompt(row, i, block_size, allowed, seed), row.input_length, row.output_length, at)
+            for i, (row, at) in enumerate(zip(rows, send_offsets(rows, speedup)))]
+
+
 def make_requests(args: argparse.Namespace) -> list[SampleRequest]:
     tokenizer, vocab = load_tokenizer_dir(args.tokenizer)
+    if args.dataset_name in ("sharegpt", "mooncake") and not args.dataset_path:
+        raise SystemExit(f"--dataset-name {args.dataset_name} needs --dataset-path FILE")
     if args.dataset_name == "sharegpt":
-        if not args.dataset_path:
-            raise SystemExit("--dataset-name sharegpt needs --dataset-path FILE.json")
         return sample_sharegpt(args.dataset_path, args.num_prompts, tokenizer, args.sharegpt_output_len,
                                args.sharegpt_max_len, args.seed)
     if vocab is None:
         raise SystemExit(f"random prompts need a vocabulary: pass --tokenizer DIR (a checkpoint or tokenizer "
                          f"directory); {args.tokenizer or 'the bundled model'} has neither tokenizer nor config.json")
     special = set(getattr(tokenizer, "all_special_ids", []) or []) if tokenizer is not None else set()
+    if args.dataset_name == "mooncake":
+        return sample_mooncake(args.dataset_path, args.num_prompts, args.trace_block_size, args.trace_speedup,
+                               vocab, special, args.seed)
     return sample_random(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
                          args.random_prefix_len, vocab, special, args.seed)
 
 
 # -- arrivals and requests ----------------------------------------------------------------------
 
-async def arrivals(requests: list[SampleRequest], rate: float, burstiness: float,
-                   seed: int) -> AsyncIterator[SampleRequest]:
-    """Yield requests with gamma(shape=burstiness, mean=1/rate) gaps; all at once when rate is inf."""
-    if burstiness <= 0:
-        raise ValueError(f"--burstiness must be > 0, got {burstiness}")
-    rng = np.random.default_rng(seed + 1)
-    theta = 1.0 / (rate * burstiness) if math.isfinite(rate) else 0.0
-    for req in requests:
+def send_times(requests: list[SampleRequest], rate: float, arrival: Arrival, burstiness: float,
+               seed: int) -> list[float]:
+    """Offsets from the run's start: a trace's own times, else the arrival process at `rate`."""
+    if requests and all(r.send_at is not None for r in requests):
+        return [float(r.send_at) for r in requests]
+    return arrival_offsets(len(requests), rate, arrival, burstiness, seed)
+
+
+async def paced(requests: list[SampleRequest], offsets: list[float], start: float) -> AsyncIterator[SampleRequest]:
+    """Yield each request at `start` + its offset (perf_counter clock)."""
+    for req, at in zip(requests, offsets):
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
         yield req
-        if math.isfinite(rate):
-            await asyncio.sleep(float(rng.gamma(shape=burstiness, scale=theta)))
 
 
 # Servers close idle keep-alive connections (uvicorn after 5 s, httpx's default expiry is also 5 s). A
@@ -266,9 +324,13 @@ def client_limits():
     return httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_EXPIRY_S)
 
 
-def build_payload(req: SampleRequest, model: str, temperature: float, ignore_eos: bool) -> dict:
+def build_payload(req: SampleRequest, model: str, temperature: float, ignore_eos: bool,
+                  pd_handoff: bool = False) -> dict:
+    """`pd_handoff` asks pdserve for the per-request hand-off time (stream_options.include_pd_handoff),
+    sent only to a server whose /metrics shows it is pdserve: other servers never see the field."""
+    options = {"include_usage": True, **({"include_pd_handoff": True} if pd_handoff else {})}
     return {"model": model, "prompt": req.prompt, "temperature": temperature, "max_tokens": req.expected_output_len,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+            "stream": True, "stream_options": options, "ignore_eos": ignore_eos}
 
 
 async def send_request(client, url: str, payload: dict, headers: dict, prompt_len: int,
@@ -312,6 +374,9 @@ async def send_request(client, url: str, payload: dict, headers: dict, prompt_le
                     out.generated_text += chunk["choices"][0].get("text") or ""
                 if chunk.get("usage"):
                     out.output_tokens = chunk["usage"].get("completion_tokens")
+                    out.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+                if chunk.get("pd_handoff_ms") is not None:
+                    out.handoff_ms = float(chunk["pd_handoff_ms"])
 
     try:
         await asyncio.wait_for(consume(), timeout_s)
@@ -337,11 +402,13 @@ async def send_request(client, url: str, payload: dict, headers: dict, prompt_le
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _K_LABEL = re.compile(r'[{,]k="(\d+)"')
+_LE_LABEL = re.compile(r'[{,]le="([^"]+)"')
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
     """Sum every sample by metric name (over all label sets: instances, roles, buckets); a sample
-    with a `k` label (steps by the number of drafts chosen) also under `name[k]`."""
+    with a `k` label (steps by the number of drafts chosen) also under `name[k]`, a histogram
+    bucket also under `name{le=BOUND}` (benchmarks/histograms.py reads those)."""
     sums: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#"):
@@ -356,6 +423,9 @@ def parse_prometheus(text: str) -> dict[str, float]:
         sums[m.group(1)] = sums.get(m.group(1), 0.0) + value
         if m.group(2) and (k := _K_LABEL.search(m.group(2))):
             key = f"{m.group(1)}[{k.group(1)}]"
+            sums[key] = sums.get(key, 0.0) + value
+        if m.group(2) and (le := _LE_LABEL.search(m.group(2))):
+            key = f"{m.group(1)}{{le={le.group(1)}}}"
             sums[key] = sums.get(key, 0.0) + value
     return sums
 
@@ -399,8 +469,10 @@ def chosen_k_shares(before: dict[str, float], after: dict[str, float], name: str
     return [n / total for n in steps] if total > 0 else None
 
 
-def server_latency_means(before: dict[str, float] | None, after: dict[str, float] | None) -> dict | None:
-    """Server-side mean TTFT/ITL/E2EL (ms) over the run, from histogram sum/count deltas."""
+def server_latency_means(before: dict[str, float] | None, after: dict[str, float] | None,
+                         percentiles: tuple[float, ...] = HANDOFF_PERCENTILES) -> dict | None:
+    """Server-side TTFT/ITL/E2EL/hand-off (ms) over the run from histogram deltas: the mean from
+    sum/count, percentiles estimated from the buckets (so only as fine as the server's buckets)."""
     if not before or not after:
         return None
     out = {}
@@ -412,20 +484,41 @@ def server_latency_means(before: dict[str, float] | None, after: dict[str, float
                 if count > 0:
                     out[f"mean_{key}_ms"] = (after[s] - before.get(s, 0.0)) / count * MS
                     out[f"{key}_count"] = count
+                    buckets = bucket_deltas(before, after, f"{prefix}:{name}")
+                    for p in percentiles:
+                        q = histogram_quantile(buckets, p / 100.0)
+                        if q is not None:
+                            out[f"p{_pct_label(p)}_{key}_ms"] = q * MS
                 break
     return out or None
 
 
 # -- metrics ------------------------------------------------------------------------------------
 
-def parse_goodput(items: list[str] | None) -> dict[str, float]:
+SLO_KEYS = ("ttft", "tpot", "itl", "e2el")
+
+
+def parse_goodput(items: list[str] | None, slo: str | None = None) -> dict[str, float]:
+    """SLOs in ms by metric, from `--goodput ttft:500 tpot:50` and/or `--slo ttft_ms=500,itl_ms=50`."""
+    pairs = [("--goodput", *item.partition(":")[::2]) for item in items or []]
+    pairs += [("--slo", *item.strip().partition("=")[::2]) for item in (slo or "").split(",") if item.strip()]
     slos: dict[str, float] = {}
-    for item in items or []:
-        key, _, value = item.partition(":")
-        if key not in ("ttft", "tpot", "e2el") or not value:
-            raise SystemExit(f"--goodput: expected ttft:MS, tpot:MS or e2el:MS, got {item!r}")
-        slos[key] = float(value)
+    for flag, key, value in pairs:
+        key = key.strip().removesuffix("_ms")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = -1.0
+        if key not in SLO_KEYS or ms < 0:
+            raise SystemExit(f"{flag}: expected {', '.join(SLO_KEYS)} with a number of ms >= 0, got {key}={value!r}")
+        slos[key] = ms
     return slos
+
+
+def meets_slos(measured: dict[str, float], slos: dict[str, float]) -> bool:
+    """Every SLO met; the ITL SLO holds for every gap of the request (its largest), so a stalled
+    hand-off or a preemption misses it even when the mean gap is fine."""
+    return all(measured[k] <= ms / MS for k, ms in slos.items())
 
 
 def calculate_metrics(requests: list[SampleRequest], outputs: list[RequestResult], duration: float,
@@ -453,8 +546,8 @@ def calculate_metrics(requests: list[SampleRequest], outputs: list[RequestResult
         ttfts.append(out.ttft)
         e2els.append(out.latency)
         completed += 1
-        measured = {"ttft": out.ttft, "tpot": tpot, "e2el": out.latency}
-        if goodput and all(measured[k] <= slo / MS for k, slo in goodput.items()):
+        measured = {"ttft": out.ttft, "tpot": tpot, "e2el": out.latency, "itl": max(out.itl, default=0.0)}
+        if goodput and meets_slos(measured, goodput):
             good += 1
     total_out = sum(out_lens)
     metrics: dict[str, Any] = {
@@ -463,6 +556,8 @@ def calculate_metrics(requests: list[SampleRequest], outputs: list[RequestResult
         "request_throughput": completed / duration, "output_throughput": total_out / duration,
         "total_token_throughput": (sum(in_lens) + total_out) / duration,
         "request_goodput": good / duration if goodput else None,
+        # Share of the requests sent (failures miss) that met every SLO: GuideLLM/DistServe's attainment.
+        "slo_attainment": good / len(outputs) if goodput and outputs else None,
     }
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         arr = np.asarray(values or [0.0]) * MS
@@ -471,7 +566,21 @@ def calculate_metrics(requests: list[SampleRequest], outputs: list[RequestResult
         metrics[f"std_{name}_ms"] = float(arr.std())
         for p in percentiles:
             metrics[f"p{_pct_label(p)}_{name}_ms"] = float(np.percentile(arr, p))
+    metrics.update(handoff_stats([o.handoff_ms for o in outputs if o.success and o.handoff_ms is not None],
+                                 percentiles))
     return metrics
+
+
+def handoff_stats(values_ms: list[float], percentiles: list[float]) -> dict[str, Any]:
+    """The PD hand-off of the requests that had one (as the server stamped it on the stream)."""
+    out: dict[str, Any] = {"pd_handoff_count": len(values_ms)}
+    if not values_ms:
+        return out
+    arr = np.asarray(values_ms)
+    out["mean_pd_handoff_ms"], out["median_pd_handoff_ms"] = float(arr.mean()), float(np.median(arr))
+    for p in sorted({*HANDOFF_PERCENTILES, *percentiles}):
+        out[f"p{_pct_label(p)}_pd_handoff_ms"] = float(np.percentile(arr, p))
+    return out
 
 
 def _pct_label(p: float) -> str:
@@ -523,77 +632,127 @@ async def _served_model(client, base_url: str, headers: dict) -> str:
     return r.json()["data"][0]["id"]
 
 
-async def run_benchmark(args: argparse.Namespace, requests: list[SampleRequest]) -> tuple[dict, list[RequestResult]]:
+async def run_benchmark(args: argparse.Namespace, requests: list[SampleRequest],
+                        plan: RunPlan | None = None) -> tuple[dict, list[RequestResult]]:
+    """One run of `requests` (the flags' rate and concurrency unless `plan` says otherwise)."""
     import httpx
-    from tqdm.asyncio import tqdm
 
+    if plan is None:
+        plan = RunPlan(parse_rate(args.request_rate), args.max_concurrency, not args.skip_initial_test)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    url = base_url + args.endpoint
     metrics_url = None if (args.metrics_url or "").lower() == "none" else (args.metrics_url or base_url + "/metrics")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name == "random"
-    limits = client_limits()
+    ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name in ("random", "mooncake")
     # read= is the stall timeout: the longest silence between two bytes of one response.
     timeout = httpx.Timeout(args.request_timeout, read=args.stall_timeout, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(limits=client_limits(), timeout=timeout) as client:
         model = args.model or await _served_model(client, base_url, headers)
-        if not args.skip_initial_test:
-            logger.info("initial single-request test run")
-            probe = SampleRequest(requests[0].prompt, requests[0].prompt_len, min(requests[0].expected_output_len, 8))
-            res = await send_request(client, url, build_payload(probe, model, args.temperature, ignore_eos), headers,
-                                     probe.prompt_len, args.request_timeout)
-            if not res.success:
-                raise SystemExit(f"initial test request failed: {res.error}")
+        if plan.initial_test:
+            await _initial_test(client, base_url + args.endpoint, requests[0], model, args, headers, ignore_eos)
         before = await scrape(client, metrics_url)
-        semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        pbar = None if args.disable_tqdm else tqdm(total=len(requests), desc="requests")
-
-        async def one(req: SampleRequest) -> RequestResult:
-            payload = build_payload(req, model, args.temperature, ignore_eos)
-            if semaphore is None:
-                res = await send_request(client, url, payload, headers, req.prompt_len, args.request_timeout)
-            else:
-                async with semaphore:
-                    res = await send_request(client, url, payload, headers, req.prompt_len, args.request_timeout)
-            if pbar is not None:
-                pbar.update(1)
-            return res
-
-        bench_start = time.perf_counter()
-        tasks = []
-        async for req in arrivals(requests, args.request_rate, args.burstiness, args.seed):
-            tasks.append(asyncio.create_task(one(req)))
-        outputs = list(await asyncio.gather(*tasks))
-        duration = time.perf_counter() - bench_start
-        if pbar is not None:
-            pbar.close()
+        pd_handoff = bool(before) and HANDOFF_COUNT in before
+        offsets = send_times(requests, plan.rate, Arrival(args.arrival), args.burstiness, args.seed)
+        outputs, bench_start, duration = await _send_all(
+            client, base_url + args.endpoint, headers, requests, offsets, plan.max_concurrency,
+            lambda req: build_payload(req, model, args.temperature, ignore_eos, pd_handoff), args)
         # Engines publish counters in heartbeats (every 0.2 s in pdserve): wait for the last ones.
         await asyncio.sleep(0.5 if metrics_url else 0.0)
         after = await scrape(client, metrics_url)
 
     tokenizer, _ = load_tokenizer_dir(args.tokenizer) if any(o.output_tokens is None for o in outputs) else (None, None)
     percentiles = [float(p) for p in str(args.percentiles).split(",") if p.strip()]
-    result = calculate_metrics(requests, outputs, duration, percentiles, parse_goodput(args.goodput), tokenizer)
+    slos = parse_goodput(args.goodput, args.slo)
+    result = calculate_metrics(requests, outputs, duration, percentiles, slos, tokenizer)
+    result.update(_run_info(args, plan, base_url, model, len(requests), percentiles, slos, ignore_eos))
+    result.update(_spec_keys(spec_decode_stats(before, after)))
     result.update({
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "label": args.label, "base_url": base_url,
-        "endpoint": args.endpoint, "model_id": model, "dataset_name": args.dataset_name,
-        "num_prompts": len(requests), "request_rate": args.request_rate, "burstiness": args.burstiness,
-        "max_concurrency": args.max_concurrency, "percentiles": percentiles,
-        "goodput_slos_ms": parse_goodput(args.goodput),
-        "ignore_eos": ignore_eos,
-        "spec_decode": spec_decode_stats(before, after),
         "server_side": server_latency_means(before, after),
         "errors": [o.error for o in outputs if o.error],
         "input_lens": [o.prompt_len for o in outputs],
         "output_lens": [o.output_tokens if o.success else 0 for o in outputs],
         "ttfts": [o.ttft for o in outputs], "e2els": [o.latency for o in outputs],
-        "itls": [o.itl for o in outputs],
+        "latencies": [o.latency for o in outputs], "itls": [o.itl for o in outputs],
+        "start_times": [o.start - bench_start for o in outputs],
+        "pd_handoffs_ms": [o.handoff_ms for o in outputs],
+        "cached_tokens": [o.cached_tokens for o in outputs],
+        "total_cached_tokens": sum(o.cached_tokens or 0 for o in outputs if o.success),
+        "generated_texts": [o.generated_text for o in outputs],
         "timeline": throughput_timeline(outputs, bench_start),
     })
     timeline = result["timeline"]["output_tokens"]
     result["max_output_tokens_per_s"] = max(timeline) if timeline else 0.0
     result["max_concurrent_requests"] = peak_concurrency(outputs)
     return result, outputs
+
+
+async def _initial_test(client, url: str, first: SampleRequest, model: str, args: argparse.Namespace,
+                        headers: dict, ignore_eos: bool) -> None:
+    """vLLM's single readiness request before the measured ones."""
+    logger.info("initial single-request test run")
+    probe = SampleRequest(first.prompt, first.prompt_len, min(first.expected_output_len, 8))
+    res = await send_request(client, url, build_payload(probe, model, args.temperature, ignore_eos), headers,
+                             probe.prompt_len, args.request_timeout)
+    if not res.success:
+        raise SystemExit(f"initial test request failed: {res.error}")
+
+
+async def _send_all(client, url: str, headers: dict, requests: list[SampleRequest], offsets: list[float],
+                    max_concurrency: int | None, payload_of, args: argparse.Namespace,
+                    ) -> tuple[list[RequestResult], float, float]:
+    """Send every request at its offset, at most `max_concurrency` in flight (a request over the
+    limit waits for a slot, as in vLLM); (outputs in request order, start, duration)."""
+    from tqdm.asyncio import tqdm
+
+    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    pbar = None if args.disable_tqdm else tqdm(total=len(requests), desc="requests")
+
+    async def one(req: SampleRequest) -> RequestResult:
+        if semaphore is None:
+            res = await send_request(client, url, payload_of(req), headers, req.prompt_len, args.request_timeout)
+        else:
+            async with semaphore:
+                res = await send_request(client, url, payload_of(req), headers, req.prompt_len, args.request_timeout)
+        if pbar is not None:
+            pbar.update(1)
+        return res
+
+    bench_start = time.perf_counter()
+    tasks = [asyncio.create_task(one(req)) async for req in paced(requests, offsets, bench_start)]
+    outputs = list(await asyncio.gather(*tasks))
+    duration = time.perf_counter() - bench_start
+    if pbar is not None:
+        pbar.close()
+    return outputs, bench_start, duration
+
+
+def _run_info(args: argparse.Namespace, plan: RunPlan, base_url: str, model: str, num_prompts: int,
+              percentiles: list[float], slos: dict[str, float], ignore_eos: bool) -> dict[str, Any]:
+    """The run's set-up, under `vllm bench serve --save-result`'s key names where it has them."""
+    traced = args.dataset_name == "mooncake"
+    return {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": "openai", "backend": "openai",
+        "label": args.label, "model_id": model, "tokenizer_id": args.tokenizer, "num_prompts": num_prompts,
+        # vLLM writes an infinite rate as the string "inf" (JSON has no Infinity).
+        "request_rate": "inf" if math.isinf(plan.rate) else plan.rate,
+        "burstiness": args.burstiness, "max_concurrency": plan.max_concurrency,
+        "base_url": base_url, "endpoint": args.endpoint, "dataset_name": args.dataset_name,
+        "arrival": "trace" if traced else ("burst" if math.isinf(plan.rate) else str(args.arrival)),
+        "trace_speedup": args.trace_speedup if traced else None, "run_kind": plan.name or None,
+        "percentiles": percentiles, "goodput_slos_ms": slos, "ignore_eos": ignore_eos,
+    }
+
+
+def _spec_keys(spec: dict | None) -> dict[str, Any]:
+    """Ours under "spec_decode", and vLLM's flat spec_decode_* keys (its acceptance rate in %)."""
+    if spec is None:
+        return {"spec_decode": None}
+    rate = spec["acceptance_rate"]
+    return {"spec_decode": spec,
+            "spec_decode_acceptance_rate": rate * 100 if rate is not None else None,
+            "spec_decode_acceptance_length": spec["acceptance_length"],
+            "spec_decode_num_drafts": int(spec["drafts"] or 0),
+            "spec_decode_draft_tokens": int(spec["draft_tokens"]),
+            "spec_decode_accepted_tokens": int(spec["accepted_tokens"])}
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -609,13 +768,18 @@ def format_report(r: dict) -> str:
     row("Failed requests:", r["failed"], "<10")
     if r["max_concurrency"]:
         row("Maximum request concurrency:", r["max_concurrency"], "<10")
-    row("Request rate configured (RPS):", r["request_rate"])
+    row("Request rate configured (RPS):", math.inf if r["request_rate"] == "inf" else r["request_rate"])
+    row("Arrivals:", r["arrival"], "<10")
+    if r.get("trace_speedup") is not None:
+        row("Trace speed-up:", r["trace_speedup"])
     row("Benchmark duration (s):", r["duration"])
     row("Total input tokens:", r["total_input_tokens"], "<10")
     row("Total generated tokens:", r["total_output_tokens"], "<10")
+    row("Prompt tokens from the prefix cache:", r.get("total_cached_tokens"), "<10")
     row("Request throughput (req/s):", r["request_throughput"])
     if r["request_goodput"] is not None:
         row("Request goodput (req/s):", r["request_goodput"])
+        row("SLO attainment (%):", r["slo_attainment"] * 100)
     row("Output token throughput (tok/s):", r["output_throughput"])
     row("Peak output token throughput (tok/s):", r["max_output_tokens_per_s"])
     row("Peak concurrent requests:", r["max_concurrent_requests"], "<10")
@@ -628,6 +792,12 @@ def format_report(r: dict) -> str:
         row(f"Median {short} (ms):", r[f"median_{key}_ms"])
         for p in r["percentiles"]:
             row(f"P{_pct_label(p)} {short} (ms):", r[f"p{_pct_label(p)}_{key}_ms"])
+    if r.get("pd_handoff_count"):
+        lines.append("{s:{c}^50}".format(s="PD hand-off (P's first token -> D's)", c="-"))
+        row("Requests with a hand-off:", r["pd_handoff_count"], "<10")
+        row("Mean hand-off (ms):", r["mean_pd_handoff_ms"])
+        for p in sorted({*HANDOFF_PERCENTILES, *r["percentiles"]}):
+            row(f"P{_pct_label(p)} hand-off (ms):", r[f"p{_pct_label(p)}_pd_handoff_ms"])
     spec = r.get("spec_decode")
     if spec:
         lines.append("{s:{c}^50}".format(s="Speculative Decoding", c="-"))
@@ -646,6 +816,9 @@ def format_report(r: dict) -> str:
         for key, short in (("ttft", "TTFT"), ("itl", "ITL"), ("e2el", "E2EL"), ("handoff", "PD hand-off")):
             if f"mean_{key}_ms" in server:
                 row(f"Mean {short} (ms):", server[f"mean_{key}_ms"])
+        for p in HANDOFF_PERCENTILES:
+            if f"p{_pct_label(p)}_handoff_ms" in server:
+                row(f"P{_pct_label(p)} PD hand-off, from buckets (ms):", server[f"p{_pct_label(p)}_handoff_ms"])
     if r["errors"]:
         lines.append("{s:{c}^50}".format(s="Errors (first 3)", c="-"))
         lines += [f"  {e[:120]}" for e in r["errors"][:3]]
@@ -654,7 +827,8 @@ def format_report(r: dict) -> str:
 
 
 def save_plots(result: dict, outputs: list[RequestResult], stem: Path) -> list[Path]:
-    """Latency CDFs (TTFT, TPOT, ITL, E2EL) and the per-second throughput timeline, as PNGs."""
+    """Latency CDFs (TTFT, TPOT, ITL, E2EL), the per-second throughput timeline and, in PD, each
+    request's hand-off against its prompt length, as PNGs."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on servers and CI
@@ -698,25 +872,57 @@ def save_plots(result: dict, outputs: list[RequestResult], stem: Path) -> list[P
     tl_path = stem.with_name(stem.name + "_throughput.png")
     fig.savefig(tl_path, dpi=90)
     plt.close(fig)
-    return [cdf_path, tl_path]
+    handoffs = [(o.prompt_len, o.handoff_ms) for o in outputs if o.success and o.handoff_ms is not None]
+    return [cdf_path, tl_path, *([_handoff_plot(handoffs, stem, plt)] if handoffs else [])]
 
 
-def save_result(args: argparse.Namespace, result: dict, outputs: list[RequestResult]) -> list[Path]:
+def _handoff_plot(points: list[tuple[int, float]], stem: Path, plt) -> Path:
+    """PD hand-off per request against its prompt length: how the KV a hand-off carries shows in it."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.scatter([p for p, _ in points], [h for _, h in points], s=12)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("hand-off (ms): P's first token -> D's")
+    ax.set_title(f"PD hand-off ({len(points)} requests)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = stem.with_name(stem.name + "_handoff.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _rate_tag(rate: float | str) -> str:
+    return "inf" if rate == "inf" or (isinstance(rate, float) and math.isinf(rate)) else f"{rate:g}"
+
+
+def save_result(args: argparse.Namespace, result: dict, outputs: list[RequestResult],
+                name: str | None = None) -> list[Path]:
+    """RESULT.json (vLLM's --save-result keys, plus ours) and its PNGs."""
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
-    name = args.result_filename or f"bench-{rate}qps-{result['date']}.json"
+    traffic = "trace" if result["arrival"] == "trace" else f"{_rate_tag(result['request_rate'])}qps"
+    name = name or args.result_filename or f"bench-{traffic}-{result['date']}.json"
     json_path = out_dir / name
     json_path.write_text(json.dumps(result, indent=1, default=float))
     return [json_path, *save_plots(result, outputs, json_path.with_suffix(""))]
 
 
 def benchmark(args: argparse.Namespace) -> dict:
-    """Run the whole benchmark for parsed flags; print the report; save JSON + plots if asked."""
+    """Run the whole benchmark for parsed flags; print the report; save JSON + plots if asked.
+    Several rates (a list or a sweep) give one report and JSON per rate, a table and one plot."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    try:
+        rate_plan = parse_rate_plan(args.request_rate)
+    except ValueError as e:
+        raise SystemExit(f"--request-rate: {e}") from None
+    if args.dataset_name == "mooncake" and rate_plan.rates != (math.inf,):
+        raise SystemExit("--dataset-name mooncake sends each request at its trace time: scale time with "
+                         "--trace-speedup instead of --request-rate")
     requests = make_requests(args)
     if not requests:
         raise SystemExit("no requests to send")
+    if rate_plan.is_sweep or len(rate_plan.rates) > 1:
+        return run_rates(args, requests, rate_plan.rates)
     result, outputs = asyncio.run(run_benchmark(args, requests))
     print(format_report(result), flush=True)
     if args.result_dir:
@@ -726,6 +932,40 @@ def benchmark(args: argparse.Namespace) -> dict:
     return result
 
 
+def run_rates(args: argparse.Namespace, requests: list[SampleRequest], rates: tuple[float, ...]) -> dict:
+    """Each rate in turn on the same requests (a sweep first runs its two probes, GuideLLM's way:
+    one request at a time, then all at once, and spreads --sweep-points rates between their
+    request rates). The returned dict has every run, the per-rate summary and the files."""
+    def run(plan: RunPlan) -> dict:
+        result, outputs = asyncio.run(run_benchmark(args, requests, plan))
+        print(format_report(result), flush=True)
+        if args.result_dir:
+            stem = Path(args.result_filename or f"bench-{result['date']}").stem
+            name = f"{stem}-{plan.name or 'rate'}-{_rate_tag(result['request_rate'])}qps.json"
+            result["files"] = [str(p) for p in save_result(args, result, outputs, name)]
+        return result
+
+    first_test = not args.skip_initial_test
+    runs: list[dict] = []
+    if not rates:
+        runs.append(run(RunPlan(math.inf, 1, first_test, "synchronous")))
+        runs.append(run(RunPlan(math.inf, args.max_concurrency, False, "throughput")))
+        rates = tuple(sweep_rates(runs[0]["request_throughput"], runs[1]["request_throughput"], args.sweep_points))
+    for i, rate in enumerate(rates):
+        runs.append(run(RunPlan(rate, args.max_concurrency, first_test and not runs and i == 0, str(args.arrival))))
+    rows = sweep_rows(runs)
+    print(format_sweep_table(rows), flush=True)
+    out = {"runs": runs, "sweep": rows, "failed": sum(r["failed"] for r in runs), "files": []}
+    if args.result_dir:
+        stem = Path(args.result_filename or f"bench-{runs[0]['date']}").stem
+        summary = Path(args.result_dir) / f"{stem}-sweep.json"
+        plot = save_sweep_plot(rows, summary.with_suffix(".png"), args.label)
+        out["files"] = [str(summary), str(plot)] + [f for r in runs for f in r.get("files", [])]
+        summary.write_text(json.dumps({"label": args.label, "sweep": rows, "files": out["files"]}, indent=1))
+        print("results: " + ", ".join(out["files"][:2]), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -733,7 +973,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
     main()

@@ -23,6 +23,7 @@ from kv_transfer.connector import KVConnector
 from scheduler.block_manager import BlockManager
 from scheduler.output import SchedulerOutput
 from scheduler.scheduler import RequestUpdate, Scheduler, SpecDecodeStats
+from scheduler.step_cost import StepCost
 from worker.invariants import InvariantViolation
 from worker.kv_tap import KVTap
 from worker.model_runner import ModelRunner
@@ -49,6 +50,11 @@ class StepTimes:
     failed_steps: int = 0   # steps whose runner raised (their requests failed, see EngineCore._fail_step)
 
 
+# The longer warm-up prompt: long enough that its arithmetic shows next to a step's fixed cost on a
+# model worth measuring, short enough to cost little at start-up on any.
+WARM_UP_FIT_TOKENS = 32
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.model_config = ModelConfig.from_dir(config.model)
@@ -68,7 +74,7 @@ class EngineCore:
         self.step_times = StepTimes()
         self.step_tokens = 0  # tokens scheduled in the step in progress (read by the liveness watch)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-                                   self.block_manager, self.connector, config.num_lookahead_tokens)
+                                   self.block_manager, self.connector, config.num_lookahead_tokens, StepCost())
         logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens", config.model, config.dtype,
                     config.device, num_blocks, config.block_size)
 
@@ -82,16 +88,23 @@ class EngineCore:
                                        connector.on_hidden)
 
     def warm_up(self) -> None:
-        """One 2-token prompt, one output token, through schedule -> execute -> update, before the
+        """Short prompts through schedule -> execute -> update, one output token each, before the
         engine takes any work: the first step of a process builds kernels and their caches (seconds
         on a large model), and a runtime that cannot run the model fails here rather than on a user's
-        request. It leaves nothing behind: its blocks are freed (a partial block is never cached)
-        and the counters start from zero. Only a colocated connector is set at this point."""
+        request. Two more prompts of different lengths give the step-cost fit (StepCost) its first
+        points, so the first burst of prompts is batched as this model's steps warrant. It leaves
+        nothing behind: its blocks are freed and forgotten by the prefix cache, and the counters
+        start from zero. Only a colocated connector is set at this point."""
         assert not self.connector.hands_off, "warm up before setting a PD connector"
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        self.add_request([0, 0], params, req_id="warm-up")
-        while self.has_unfinished():
-            self.step()
+        fit_len = min(WARM_UP_FIT_TOKENS, self.config.max_model_len - 1)
+        for i, length in enumerate((2, 2, fit_len)):
+            self.add_request([0] * length, params, req_id=f"warm-up-{i}")
+            while self.has_unfinished():
+                self.step()
+            if i == 0:  # its cost is the kernels' first builds, not a step's
+                self.scheduler.step_cost.reset()
+        self.block_manager.reset_prefix_cache()  # no user prompt may hit the warm-up's blocks
         self.step_times = StepTimes()
         self.scheduler.spec_stats = SpecDecodeStats()
         if self.runner.drafter is not None:
@@ -164,10 +177,12 @@ class EngineCore:
             return self._fail_step(sched, exc)
         forward_end = time.perf_counter()
         updates = self.scheduler.update_from_output(sched, result)
+        step_s = time.perf_counter() - start
+        self.scheduler.step_cost.record(sched.total_num_scheduled_tokens, step_s)
         times = self.step_times
         times.steps += 1
         times.forward_s += forward_end - forward_start
-        times.step_s += time.perf_counter() - start
+        times.step_s += step_s
         return updates
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestUpdate]:

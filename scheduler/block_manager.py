@@ -86,6 +86,14 @@ class BlockManager:
                 self.hash_to_block[h] = block
             parent = h
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no request holds (vLLM's reset_prefix_cache)."""
+        for block in self.free:
+            if self.block_hash[block] is not None:
+                del self.hash_to_block[self.block_hash[block]]
+                self.block_hash[block] = None
+                self.block_tokens[block] = None
+
     # -- allocation ------------------------------------------------------------------------
 
     def allocate(self, request: Request, num_new_tokens: int,

@@ -22,6 +22,7 @@ from engine.request import Request, RequestStatus
 from engine.types import FinishReason, TokenLogprobs
 from scheduler.block_manager import BlockManager
 from scheduler.output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+from scheduler.step_cost import StepCost
 
 if TYPE_CHECKING:
     import torch
@@ -73,15 +74,16 @@ class RequestUpdate:
     num_cached_tokens: int | None = None                # prompt tokens that were prefix-cache hits
 
 
-# A step that finishes the prefill of a chunk this long takes no new prefill: the newcomer would
-# only delay that prompt's first token by its own compute (the step is compute-bound already) and
-# would not finish any sooner itself -- it needs a later step either way, or shares this one's end.
-LONG_PREFILL_TOKENS = 512
+# Up to how many prefill tokens a prompt joins a step that already prefills another, until the
+# engine's own steps tell (StepCost): what a small model's steps cost in Python dwarfs this many
+# tokens' arithmetic, and a larger model's steps soon tell otherwise.
+DEFAULT_SHARED_PREFILL_TOKENS = 512
 
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_manager: BlockManager, connector: KVConnector, num_lookahead_tokens: int = 0) -> None:
+                 block_manager: BlockManager, connector: KVConnector, num_lookahead_tokens: int = 0,
+                 step_cost: StepCost | None = None) -> None:
         self.max_num_seqs = max_num_seqs
         # Speculative decoding writes draft KV this far past the scheduled tokens: reserve blocks for it.
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -96,7 +98,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
-        self._finishes_long_prefill = False  # this step finishes a prefill of >= LONG_PREFILL_TOKENS
+        self.step_cost = step_cost or StepCost()  # fed by the engine after each step
+        self._step_prefill_tokens = 0  # prompt tokens (not a handoff's t0, not drafts) in the step being built
 
     # -- queue management ------------------------------------------------------------------
 
@@ -190,7 +193,7 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = set()
         self._reserve_remote_kv()
-        self._finishes_long_prefill = False
+        self._step_prefill_tokens = 0
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         self._admit_waiting(out, budget)
         return out
@@ -215,7 +218,7 @@ class Scheduler:
                 break
             out.cached_requests.append(CachedRequestData(request.req_id, request.num_computed_tokens, new_blocks))
             out.num_scheduled_tokens[request.req_id] = num_new
-            self._finishes_long_prefill |= num_new == num_uncomputed >= LONG_PREFILL_TOKENS
+            self._step_prefill_tokens += min(num_new, num_uncomputed) if num_uncomputed > 1 else 0
             num_drafts = max(0, num_new - num_uncomputed)
             if num_drafts:
                 out.num_draft_tokens[request.req_id] = num_drafts
@@ -240,7 +243,7 @@ class Scheduler:
             cached = self.blocks.find_cached_prefix(request) if lookup else []
             num_computed = request.num_computed_tokens + len(cached) * self.blocks.block_size
             num_uncomputed = request.num_tokens_to_compute - num_computed
-            if self._finishes_long_prefill and num_uncomputed > 1:  # (a PD handoff computes 1 token)
+            if not self._joins_step(num_uncomputed):
                 continue
             num_new = min(num_uncomputed, budget)
             if self.blocks.allocate(request, num_new + self.num_lookahead_tokens, cached) is None:
@@ -260,8 +263,18 @@ class Scheduler:
                 handoff_hidden=request.handoff_hidden if num_computed else None))
             request.handoff_hidden = None  # once: a preempted request computes its prompt here
             out.num_scheduled_tokens[request.req_id] = num_new
-            self._finishes_long_prefill |= num_new == num_uncomputed >= LONG_PREFILL_TOKENS
+            self._step_prefill_tokens += num_new if num_uncomputed > 1 else 0
             budget -= num_new
+
+    def _joins_step(self, num_uncomputed: int) -> bool:
+        """Whether a prompt with this many tokens left to compute starts in this step. A handoff
+        (1 token: t0) or the step's first prefill always does; another prefill only while its tokens
+        cost less than a step's fixed part (StepCost): a longer one would delay the prompts already
+        in the step by more than it saves itself, and finishes no sooner in a step of its own."""
+        if num_uncomputed <= 1 or self._step_prefill_tokens == 0:
+            return True
+        limit = self.step_cost.shared_prefill_tokens()
+        return num_uncomputed <= (DEFAULT_SHARED_PREFILL_TOKENS if limit is None else limit)
 
     def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front end: `build_app(client, tokenizer, model_name, ...)`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events or
-not), GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize, and the live
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (streaming as
+server-sent events or not), GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize, and the live
 status page GET /status with its GET /status.json (server/status.py). Each route
 is a few lines over the serving layer (server/serving.py, completions.py, chat.py).
 
@@ -10,8 +10,9 @@ read whole (413 over the size limit, 408 past the read timeout, 400 for Content-
 Transfer-Encoding) -> capacity: per client address, per API key, global (429 + Retry-After) ->
 UTF-8 / JSON / schema (400) -> response size (400) -> model name (404) -> prompt and sampling
 parameters (400). A slot is only taken once the body is in: a client that sends its body slowly
-holds a connection, never a slot (server/limits.py). Bad input always ends in a 4xx with an OpenAI error body; a 500
-only ever means a bug, and is counted in `app.state.internal_errors`.
+holds a connection, never a slot (server/limits.py). Bad input always ends in a 4xx with an OpenAI
+error body; a 500 only ever means a bug, and is counted in `app.state.internal_errors`. Every
+response carries an `x-request-id` header (server/request_ids.py).
 """
 from __future__ import annotations
 
@@ -35,12 +36,15 @@ from server.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
 from server.openapi import add_request_schemas, request_body
 from server.protocol import EngineClient
-from server.responses import DetokenizeResponse, HealthResponse, ModelCard, ModelList, TokenizeResponse
+from server.request_ids import HEADER, RequestIdMiddleware, request_id
+from server.response_bodies import DetokenizeResponse, HealthResponse, ModelCard, ModelList, TokenizeResponse
+from server.responses_api import create_response
 from server.serving import Serving
 from server.status import add_status_routes
 
@@ -61,6 +65,7 @@ def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | N
     limits = limits or HTTPLimits()
     metrics = ServerMetrics(client.instances, getattr(client, "counters", None))
     serving = Serving(client, tokenizer, model_name, metrics, max_queue)
+    loaded_at = int(time.time())  # the tokenizer and engine client are in hand: /v1/models' `created`
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -77,10 +82,11 @@ def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | N
     app.state.metrics = metrics
     app.state.limits = limits
     app.state.internal_errors = 0
+    app.add_middleware(RequestIdMiddleware)
     _add_error_handlers(app)
     gate = _Gate(serving, api_key, max_body_bytes, limits)
     _add_generation_routes(app, gate)
-    _add_other_routes(app, gate, serving, client)
+    _add_other_routes(app, gate, serving, client, loaded_at)
     add_status_routes(app, client, gate.check_auth)
     add_request_schemas(app)
     return app
@@ -173,9 +179,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
+        # Answered outside the middleware stack, so the x-request-id header is set here.
         app.state.internal_errors += 1
-        logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(500, "internal server error", "server_error")
+        rid = request_id(request)
+        logger.error("internal error on %s %s (request %s)", request.method, request.url.path, rid, exc_info=exc)
+        return error_response(500, "internal server error", "server_error", headers={HEADER: rid})
 
 
 def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
@@ -187,10 +195,15 @@ def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
     async def chat_completions(request: Request):
         return await gate.admit(request, ChatCompletionRequest, create_chat_completion)
 
+    @app.post("/v1/responses", openapi_extra=request_body(ResponsesRequest))
+    async def responses(request: Request):
+        return await gate.admit(request, ResponsesRequest, create_response)
 
-def _add_other_routes(app: FastAPI, gate: _Gate, serving: Serving, client: EngineClient) -> None:
+
+def _add_other_routes(app: FastAPI, gate: _Gate, serving: Serving, client: EngineClient, loaded_at: int) -> None:
     def model_card() -> ModelCard:
-        return ModelCard(id=serving.model_name, root=serving.model_name, max_model_len=client.max_model_len)
+        return ModelCard(id=serving.model_name, created=loaded_at, root=serving.model_name,
+                         max_model_len=client.max_model_len)
 
     @app.get("/v1/models")
     async def list_models(request: Request):

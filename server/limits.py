@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from server.errors import APIError
-from server.openai_schemas import ChatCompletionRequest, CompletionRequest
+from server.openai_schemas import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 
 logger = logging.getLogger(__name__)
 
@@ -91,22 +91,14 @@ def _release(taken: list[tuple[Counter[str], str]]) -> None:
             del counts[who]
 
 
-def check_response_size(req: CompletionRequest | ChatCompletionRequest, max_model_len: int, limit: int) -> None:
+def check_response_size(req: CompletionRequest | ChatCompletionRequest | ResponsesRequest, max_model_len: int,
+                        limit: int) -> None:
     """400 when the largest response the request could produce is over `limit` entries, before
     any work is done for it. Without max_tokens a choice may run to the context length; with echo
     its prompt comes back too, and prompt + generated tokens never exceed the context length.
     Other checks on the fields involved come later: this one only reads them."""
-    if isinstance(req, ChatCompletionRequest):
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        alternatives = (req.top_logprobs or 0) if req.logprobs else 0
-        choices = req.n
-    else:
-        param, max_tokens, alternatives = "max_tokens", req.max_tokens, req.logprobs or 0
-        prompts = 1 if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)) \
-            else len(req.prompt)
-        choices = req.n * max(prompts, 1)
-    named = param if max_tokens is not None else "n"
+    param, max_tokens, alternatives, choices = _response_shape(req)
+    named = param if max_tokens is not None or isinstance(req, ResponsesRequest) else "n"
     # A max_tokens beyond the context is refused later with its own error (context_length_exceeded).
     tokens = max_model_len if max_tokens is None or getattr(req, "echo", False) else min(max_tokens, max_model_len)
     entries = choices * tokens * (1 + max(alternatives, 0))
@@ -114,6 +106,21 @@ def check_response_size(req: CompletionRequest | ChatCompletionRequest, max_mode
         raise APIError(400, f"{named}: the response could hold {entries} entries (choices {choices} x tokens "
                             f"{tokens} x (1 + logprobs {alternatives})), over the limit of {limit}; lower n, "
                             f"{param} or the number of logprobs", param=named)
+
+
+def _response_shape(req: CompletionRequest | ChatCompletionRequest | ResponsesRequest
+                    ) -> tuple[str, int | None, int, int]:
+    """(the max-tokens field's name, its value, logprob alternatives per token, choices)."""
+    if isinstance(req, ResponsesRequest):
+        return "max_output_tokens", req.max_output_tokens, req.top_logprobs or 0, 1
+    if isinstance(req, ChatCompletionRequest):
+        if req.max_completion_tokens is not None:
+            param, max_tokens = "max_completion_tokens", req.max_completion_tokens
+        else:
+            param, max_tokens = "max_tokens", req.max_tokens
+        return param, max_tokens, (req.top_logprobs or 0) if req.logprobs else 0, req.n
+    single = isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))
+    return "max_tokens", req.max_tokens, req.logprobs or 0, req.n * (1 if single else max(len(req.prompt), 1))
 
 
 def raise_open_files_limit(target: int = OPEN_FILES_TARGET) -> int:

@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
@@ -33,7 +32,15 @@ from server.openai_schemas import (
     CompletionRequest,
 )
 from server.protocol import EngineClient, EngineUnavailableError, GenerationChunk
-from server.responses import ChatLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage
+from server.request_ids import request_id
+from server.response_bodies import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +80,8 @@ class Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. (params.prompt_logprobs)
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
+    handoff_s: float | None = None  # PD: P's first token -> D's first tokens at the front end
+    report_handoff: bool = False  # stream_options.include_pd_handoff
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None
@@ -90,6 +99,7 @@ class Choice:
             metrics.queue_time.observe(chunk.queue_time)
         if chunk.handoff_s is not None:
             metrics.handoff.observe(chunk.handoff_s)
+            self.handoff_s = chunk.handoff_s
         if chunk.prompt_logprobs is not None:
             self.prompt_logprobs = list(chunk.prompt_logprobs)
         if chunk.num_cached_tokens is not None:
@@ -303,9 +313,11 @@ class Serving:
 
     def new_choice(self, index: int, request_id: str, prompt_ids: list[int], params: SamplingParams,
                    stops: list[str], req, arrival: float) -> Choice:
+        options = getattr(req, "stream_options", None)
         return Choice(index=index, request_id=f"{request_id}-{index}", prompt_ids=prompt_ids, params=params,
                       detok=IncrementalDetokenizer(self.tokenizer, req.skip_special_tokens),
-                      stops=StopStringMatcher(stops, req.include_stop_str_in_output), arrival=arrival)
+                      stops=StopStringMatcher(stops, req.include_stop_str_in_output), arrival=arrival,
+                      report_handoff=bool(options and options.include_pd_handoff))
 
     def submit(self, choices: list[Choice]) -> list[AsyncIterator[GenerationChunk]]:
         """Call `generate` for every choice first, so a ValueError refuses the whole request
@@ -478,8 +490,11 @@ class Serving:
                 top_logprobs=[TopLogprob(token=tt.text(t), logprob=_finite(v), bytes=tt.bytes(t)) for t, v in lp.top]))
         return ChatLogprobs(content=content)
 
-    def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{uuid.uuid4().hex}"
+    @staticmethod
+    def new_request_id(prefix: str, request: Request) -> str:
+        """The engine request id: the route's prefix and the HTTP request's x-request-id (so logs,
+        timelines and the client's header name the same request)."""
+        return f"{prefix}-{request_id(request)}"
 
 
 @contextmanager

@@ -106,22 +106,3 @@ def test_blocks_kept_by_the_connector_are_not_freed_by_the_scheduler():
     # For the client the request goes on elsewhere: t0 is sent, with no finish reason.
     assert [(u.new_token_ids, u.finish_reason) for u in updates] == [([42], None)]
     assert blocks.num_free_blocks == 8 - blocks.blocks_needed(6) and request.block_ids == []
-
-
-def test_a_step_that_finishes_a_long_prefill_takes_no_new_prefill():
-    """Two 600-token prompts under a 1024-token budget: sharing the first step would delay the first
-    prompt's first token by the second's chunk, and the second would still need a step of its own.
-    Short prompts still share steps."""
-    blocks = BlockManager(512, BLOCK, enable_prefix_caching=False)
-    sched = Scheduler(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=2048, block_manager=blocks,
-                      connector=KVConnector())
-    conn = KVConnector()
-    for name in ("a", "b"):
-        add(sched, conn, name, 600, endpoint="")
-    assert sched.schedule().num_scheduled_tokens == {"a": 600}
-    for name in ("c", "d"):
-        add(sched, conn, name, 100, endpoint="")
-    sched.running.clear()  # (no runner here: drop "a" instead of finishing it)
-    assert sched.schedule().num_scheduled_tokens == {"b": 600}
-    sched.running.clear()
-    assert sched.schedule().num_scheduled_tokens == {"c": 100, "d": 100}

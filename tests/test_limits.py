@@ -192,6 +192,13 @@ def test_a_response_too_large_is_refused_up_front(gated):
         assert _error(http.post("/v1/chat/completions", json=chat), 400)["param"] == "max_completion_tokens"
         assert small.app.state.serving.in_flight == 0
         assert small.app.state.internal_errors == 0
+    with ServerThread(build_app(GatedClient(), None, MODEL, limits=HTTPLimits(max_response_entries=1000))) as tiny, \
+            httpx.Client(base_url=tiny.url, timeout=30) as http:
+        one = {"input": "hi", "max_output_tokens": 64, "top_logprobs": 20}  # one choice: 64 x 21 = 1344
+        assert _error(http.post("/v1/responses", json=one), 400)["param"] == "max_output_tokens"
+        assert _error(http.post("/v1/responses", json=one | {"max_output_tokens": None}), 400)["param"] \
+            == "max_output_tokens"
+        assert tiny.app.state.internal_errors == 0
     # The default bound against a 4096-token context: the 72 MB response (4 prompts x n=64 x
     # 500 tokens x 21) is refused; 2 prompts x n=64 x 4095 tokens (+1 prompt token) is within it and served.
     client = GatedClient()
@@ -304,7 +311,7 @@ def test_openapi_and_docs_are_served_with_the_request_models(gated):
         assert http.get("/docs").status_code == 200
     schemas = doc["components"]["schemas"]
     for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest"),
-                        ("/detokenize", "DetokenizeRequest")):
+                        ("/v1/responses", "ResponsesRequest"), ("/detokenize", "DetokenizeRequest")):
         ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref == f"#/components/schemas/{model}"
     assert {"prompt", "n", "max_tokens", "logprobs", "top_k"} <= set(schemas["CompletionRequest"]["properties"])

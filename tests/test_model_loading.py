@@ -227,3 +227,58 @@ def test_pack_linears_frees_the_weight_it_never_runs(monkeypatch):
         assert mixed.packed is not None and mixed.weight.numel() == 32 * 32
         for m, w in zip(model, want):
             torch.testing.assert_close(m(x), w, atol=1e-5, rtol=1e-5)
+
+
+def test_our_kernel_runs_the_row_counts_where_it_beats_both_libraries_from_the_first_on():
+    from worker.models.linear import TUNE_ROWS, _choose
+
+    n = len(TUNE_ROWS)
+    # Our kernel clearly faster for 1..4 rows, a near-tie at 8, slower beyond; oneDNN from 16 rows.
+    kernel = [1.0, 1.0, 1.0, 1.4, 5.0, 5.0, 5.0]
+    plain = [2.0, 2.0, 2.0, 1.5, 2.0, 2.0, 2.0]
+    packed = [3.0, 3.0, 3.0, 3.0, 1.0, 1.0, 1.0]
+    assert _choose({"kernel": kernel, "plain": plain, "packed": packed}) == {"kernel_rows": 3, "packed_first": 4}
+    # Never faster at the first row count: never used, even where it wins later.
+    assert _choose({"kernel": [2.0] + [0.1] * (n - 1), "plain": [2.0] * n, "packed": [3.0] * n}) == {
+        "kernel_rows": 0, "packed_first": n}
+
+
+def test_tuning_times_our_kernel_and_records_its_rows(tmp_path):
+    from worker.models import linear as L
+
+    if not L.linear_kernels_available():
+        pytest.skip("no C++ compiler for our linear kernels")
+    lin = L.Linear(32, 32, bias=False)
+    lin.pack(keep_weight=True)
+    calls = [0]
+
+    def timer() -> float:  # our kernel fastest at every row count
+        calls[0] += 1
+        if calls[0] % 2:
+            return 0.0
+        return 1.0 if lin.kernel_to else 3.0 if lin.packed_from == 0 else 2.0
+
+    L.tune_linears([lin], timer=timer, record=tmp_path / "tuning.json")
+    assert lin.kernel_to == L.TUNE_ROWS[-1] and lin.packed_from > L.TUNE_ROWS[-1]
+    assert json.loads((tmp_path / "tuning.json").read_text()) == {
+        L._machine(): {"32x32 float32": {"kernel_rows": len(L.TUNE_ROWS), "packed_first": len(L.TUNE_ROWS)}}}
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("in_features,out_features", [(16, 2), (33, 7), (1031, 65), (3072, 64)])
+def test_our_fp32_kernel_computes_the_linear(rows, in_features, out_features):
+    """Every path of the kernel: 1-4 rows at a time, odd feature counts, K tails past the SIMD width;
+    fp32 sums in another order than MKL's, so equal up to rounding."""
+    from worker.models import linear as L
+
+    if not L.linear_kernels_available():
+        pytest.skip("no C++ compiler for our linear kernels")
+    torch.manual_seed(rows * 1000 + in_features)
+    lin = L.Linear(in_features, out_features, bias=True)
+    lin.pack(keep_weight=True)
+    lin.kernel_to, lin.packed_from = 8, 9
+    x = torch.randn(rows, in_features)
+    with torch.inference_mode():
+        want = x.double() @ lin.weight.double().T + lin.bias.double()
+        got = lin(x)
+    torch.testing.assert_close(got.double(), want, atol=1e-4 * in_features ** 0.5, rtol=1e-5)

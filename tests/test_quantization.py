@@ -24,7 +24,7 @@ from worker.models.linear import (
     Linear,
     bf16_linear_available,
     dequantize_int8,
-    int8_linear_available,
+    linear_kernels_available,
     quantize_int8,
 )
 
@@ -78,7 +78,7 @@ def test_quantize_int8_per_output_channel():
     assert torch.all(err <= scale[:, None] / 2 * (1 + 1e-5))
 
 
-@pytest.mark.skipif(not int8_linear_available(), reason="the C++ int8 kernel cannot be built here")
+@pytest.mark.skipif(not linear_kernels_available(), reason="the C++ int8 kernel cannot be built here")
 @pytest.mark.parametrize("shape", [(64, 128), (37, 13), (300, 33)])
 def test_int8_kernel_matches_the_dequantized_weight(shape):
     """Every row count a step can bring (the kernel up to NARROW_MAX_ROWS, MKL on the converted

@@ -23,10 +23,12 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 
 
 def extension_name(source: str, cflags: list[str]) -> str:
-    """The extension's name: one build per source text, flags and checkout (two checkouts sharing
-    the extensions folder under one name would rebuild each other's library at every start)."""
+    """The extension's name: one build per source text (with the headers it may include), flags and
+    checkout (two checkouts sharing the extensions folder under one name would rebuild each other's
+    library at every start)."""
     path = CSRC / source
-    tag = hashlib.sha256(path.read_bytes() + str(path).encode() + str(cflags).encode()).hexdigest()[:12]
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
+    tag = hashlib.sha256(path.read_bytes() + headers + str(path).encode() + str(cflags).encode()).hexdigest()[:12]
     return f"pdserve_{path.stem}_{tag}"
 
 

@@ -14,21 +14,8 @@
 // dispatch cost more than their arithmetic (~0.35 ms a draft at batch 1, 1 core); drafts need no
 // bit-exactness (the target verifies them), only speed.
 //
-// Loop order of a linear: blocks of NB output features, whose weight rows (NB * K bf16, <= 11 KB at
-// K = 704) stay in L1 while every input row passes over them, so the weight is read from memory
-// once whatever the row count. Inside a block, two features and up to four rows at a time: eight
-// accumulators of 16 lanes each with AVX-512 (8 with AVX2).
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PDSERVE_AVX2 1
-#endif
-#if defined(__AVX512F__)
-#define PDSERVE_AVX512 1
-#endif
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -39,137 +26,15 @@
 #include <limits>
 #include <vector>
 
+#include "skinny_linear.h"
+
 namespace {
 
-constexpr int64_t NB = 8;  // output features per block
-
-// Each weight row is read once, front to back, a few KB at a time: too short a stream for the
-// hardware prefetcher to run far enough ahead, and a step of few rows then waits on memory well
-// below the bandwidth a plain copy gets. So each row's line this far ahead (the rows a few feature
-// pairs on) is asked into L2 as the loop goes (benchmarks/results/quantization.md). Into L2, not
-// L1: L1 is what holds the input rows, and prefetching into it gained far less.
-constexpr int64_t PREFETCH_BYTES = 16384;
-
-// (locality 2: prefetcht1. A prefetch never faults, so running past the weight's end is harmless.)
-inline void prefetch_l2(const uint16_t* p) { __builtin_prefetch(p, 0, 2); }
-
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Finish features n and n + 1 of input row `row`: add the K tail from k0 (past the SIMD loop's
-// multiple of its width) to the vector sums s0, s1, then the bias, and store.
-inline void finish_pair(const float* x, int64_t K, const uint16_t* w0, const uint16_t* w1, const float* bias,
-                        float* y, int64_t N, int64_t row, int64_t n, int64_t k0, float s0, float s1) {
-  const float* xr = x + row * K;
-  for (int64_t k = k0; k < K; ++k) {
-    s0 += xr[k] * bf16_to_float(w0[k]);
-    s1 += xr[k] * bf16_to_float(w1[k]);
-  }
-  y[row * N + n] = s0 + (bias ? bias[n] : 0.f);
-  y[row * N + n + 1] = s1 + (bias ? bias[n + 1] : 0.f);
-}
-
-// Rows [r0, r0 + R) of x against features [n0, n1) of w, the tail of K past the SIMD width included.
-template <int R>
-void rows_times_block(const float* x, int64_t K, const uint16_t* w, const float* bias, float* y, int64_t N,
-                      int64_t r0, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-#ifdef PDSERVE_AVX512
-  // 16 weights a conversion: the widening shuffle (one a cycle) bounds these loops, not memory, so
-  // twice the lanes is ~twice the speed where the weight is in cache (benchmarks/results/bf16_linear.txt).
-  const int64_t k16 = K - K % 16;
-  for (; n + 2 <= n1; n += 2) {
-    const uint16_t* w0 = w + n * K;
-    const uint16_t* w1 = w0 + K;
-    __m512 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < k16; k += 16) {
-      if (k % 32 == 0) {  // (one prefetch per 64-byte line of each row)
-        prefetch_l2(w0 + PREFETCH_BYTES / 2 + k);
-        prefetch_l2(w1 + PREFETCH_BYTES / 2 + k);
-      }
-      const __m512 a = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + k))), 16));
-      const __m512 b = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + k))), 16));
-      for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_loadu_ps(x + (r0 + r) * K + k);
-        acc[r][0] = _mm512_fmadd_ps(xv, a, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(xv, b, acc[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      finish_pair(x, K, w0, w1, bias, y, N, r0 + r, n, k16, _mm512_reduce_add_ps(acc[r][0]),
-                  _mm512_reduce_add_ps(acc[r][1]));
-  }
-#elif defined(PDSERVE_AVX2)
-  const int64_t k8 = K - K % 8;
-  for (; n + 2 <= n1; n += 2) {
-    const uint16_t* w0 = w + n * K;
-    const uint16_t* w1 = w0 + K;
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < k8; k += 8) {
-      if (k % 32 == 0) {
-        prefetch_l2(w0 + PREFETCH_BYTES / 2 + k);
-        prefetch_l2(w1 + PREFETCH_BYTES / 2 + k);
-      }
-      // bf16 -> fp32: widen to 32 bits and shift into the high half.
-      const __m256 a = _mm256_castsi256_ps(
-          _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0 + k))), 16));
-      const __m256 b = _mm256_castsi256_ps(
-          _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w1 + k))), 16));
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_loadu_ps(x + (r0 + r) * K + k);
-        acc[r][0] = _mm256_fmadd_ps(xv, a, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(xv, b, acc[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      // Both features' 8 lanes summed at once: hadd pairs them up, then the two 128-bit halves.
-      const __m256 h = _mm256_hadd_ps(acc[r][0], acc[r][1]);  // a01 a23 b01 b23 | a45 a67 b45 b67
-      const __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      const __m128 t = _mm_hadd_ps(s, s);  // a b a b
-      float sums[4];
-      _mm_storeu_ps(sums, t);
-      finish_pair(x, K, w0, w1, bias, y, N, r0 + r, n, k8, sums[0], sums[1]);
-    }
-  }
-#endif
-  for (; n < n1; ++n) {  // (every feature where there is no AVX2)
-    const uint16_t* wn = w + n * K;
-    for (int r = 0; r < R; ++r) {
-      const float* xr = x + (r0 + r) * K;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t k = 0; k < K; ++k) sum += xr[k] * bf16_to_float(wn[k]);
-      y[(r0 + r) * N + n] = sum + (bias ? bias[n] : 0.f);
-    }
-  }
-}
+using skinny::BF16;
 
 // y[M, N] = x[M, K] @ w[N, K]^T (+ bias), w in bf16.
 void linear_into(const float* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t N, const float* b, float* yp) {
-  const int64_t blocks = (N + NB - 1) / NB;
-  // Threads only for big weights: at decode sizes waking a second thread costs more than it saves.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, NB * K * std::max<int64_t>(M, 1)));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * NB, n1 = std::min(N, n0 + NB);
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) rows_times_block<4>(xp, K, wp, b, yp, N, r, n0, n1);
-      switch (M - r) {
-        case 3: rows_times_block<3>(xp, K, wp, b, yp, N, r, n0, n1); break;
-        case 2: rows_times_block<2>(xp, K, wp, b, yp, N, r, n0, n1); break;
-        case 1: rows_times_block<1>(xp, K, wp, b, yp, N, r, n0, n1); break;
-        default: break;
-      }
-    }
-  });
+  skinny::linear<BF16>(xp, M, K, wp, nullptr, b, yp, N);
 }
 
 at::Tensor linear_bf16w(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {

@@ -21,7 +21,7 @@ Two things make small-batch decode cheap on a CPU, where every step is a handful
 - Narrow weights of the target (`--dtype bfloat16` on a CPU, `--quantization int8`): the weight
   itself is stored in bf16 (`store_bf16`) or as int8 with one fp32 scale per output feature
   (`quantize_int8`), and the arithmetic stays fp32: a few rows go through a kernel that converts each
-  weight as it reads it (worker/csrc/bf16_linear.cpp, worker/csrc/int8_linear.cpp), inputs of more
+  weight as it reads it (worker/csrc/skinny_linear.h), inputs of more
   than NARROW_MAX_ROWS rows (long prefill chunks) through MKL against an fp32 copy made for the call.
   Such linears are never packed nor tuned: oneDNN would do bf16 math where the CPU has it, and the
   tuning record keeps fp32 shapes only.
@@ -34,6 +34,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -57,6 +58,7 @@ class Linear(nn.Linear):
         self.shards = shards
         self.packed: torch.Tensor | None = None
         self.packed_from = 0  # inputs of at least this many rows use `packed` (set by tune_linears)
+        self.kernel_to = 0  # fp32: inputs of at most this many rows use our kernel (set by tune_linears)
         self.bf16: torch.Tensor | None = None  # set by keep_bf16 (and store_bf16)
         self.bf16_max_rows = BF16_MAX_ROWS  # inputs of at most this many rows use `bf16`
         self.int8: torch.Tensor | None = None  # [out, in] int8, set by quantize_int8
@@ -68,6 +70,8 @@ class Linear(nn.Linear):
             return self._int8_forward(x)
         if self.bf16 is not None and x.shape[0] <= self.bf16_max_rows and x.dtype == torch.float32:
             return torch.ops.pdserve_bf16.linear_bf16w(x.contiguous(), self.bf16, self.bias)
+        if x.shape[0] <= self.kernel_to:
+            return torch.ops.pdserve_linear.linear_f32w(x.contiguous(), self.weight, self.bias)
         if self.packed is not None and x.shape[0] >= self.packed_from:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.weight.dtype != x.dtype:  # a bf16-stored weight (store_bf16): fp32 arithmetic all the same
@@ -77,7 +81,7 @@ class Linear(nn.Linear):
     def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.int8 is not None and self.scale is not None
         if self.int8_way == "kernel" and x.shape[0] <= NARROW_MAX_ROWS:
-            return torch.ops.pdserve_int8.linear_int8w(x.contiguous(), self.int8, self.scale, self.bias)
+            return torch.ops.pdserve_linear.linear_int8w(x.contiguous(), self.int8, self.scale, self.bias)
         if self.int8_way == "int8pack":
             # torch's own weight-only int8 GEMM: (x @ int8^T) * scale, the scale applied to the sums.
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.int8, self.scale)
@@ -122,7 +126,7 @@ class Linear(nn.Linear):
         self.drop_plain()
         # How inputs (of the weight's dtype, the activations') get multiplied; decided here, where
         # asking is allowed, not in a forward that torch.compile may trace.
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and int8_linear_available():
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and linear_kernels_available():
             self.int8_way = "kernel"  # few rows; bigger inputs: MKL on the weight converted for the call
         elif weight.device.type == "cuda" and int8pack_mm_works(str(weight.device), weight.dtype):
             self.int8_way, self.scale = "int8pack", self.scale.to(weight.dtype)
@@ -159,13 +163,13 @@ def gemm_weight(lin: Linear) -> torch.Tensor:
 # for the call: converting writes the whole fp32 weight each call, which the kernel's passes beat up
 # to about this many rows, and MKL's blocked GEMM wins beyond (benchmarks/results/quantization.md).
 NARROW_MAX_ROWS = 128
-INT8_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LINEAR_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 @functools.cache
-def int8_linear_available() -> bool:
-    """Build (or load the cached build of) the int8-weight linear kernel; False where that fails."""
-    return cpp_build.build("int8_linear.cpp", INT8_CFLAGS, "int8-weight linear")
+def linear_kernels_available() -> bool:
+    """Build (or load the cached build of) the fp32- and int8-weight linear kernels; False where that fails."""
+    return cpp_build.build("linear_kernels.cpp", LINEAR_CFLAGS, "fp32/int8-weight linear")
 
 
 @functools.cache
@@ -230,7 +234,7 @@ def pack_linears(model: nn.Module, device: str, shared: set[int], skip: Sequence
     tune_linears(packed)
     for module in packed:
         if module.packed_from > TUNE_ROWS[-1]:
-            module.packed = None  # F.linear at every row count
+            module.packed = None  # F.linear (or our kernel) at every row count
         elif module.packed_from <= TUNE_ROWS[0] and id(module.weight) not in shared:
             module.drop_plain()
 
@@ -243,17 +247,18 @@ TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float] = time.perf_counter,
                  record: Path | None = None) -> None:
-    """Set each packed Linear's `packed_from`, per weight shape: the threshold (one of TUNE_ROWS, or
-    past the last: never) that makes the row counts of TUNE_ROWS cheapest in all (`_cheapest_first`).
-    At most two linears of a shape are timed, which bounds the cost for a big model; ~50 ms on the
-    bundled model.
+    """Set each packed Linear's `kernel_to` and `packed_from`, per weight shape: our kernel
+    (linear_kernels.cpp) for the row counts of TUNE_ROWS where it beats both libraries from the
+    first one on, then the threshold (one of TUNE_ROWS, or past the last: never) between MKL's
+    F.linear and oneDNN's packed weight that makes the remaining row counts cheapest in all
+    (`_cheapest_first`). At most two linears of a shape are timed, which bounds the cost for a big
+    model.
 
     The choice is kept in `record` (default: tuning_record(); None when PDSERVE_LINEAR_TUNING=off), a
-    JSON file per machine: an engine takes a shape's threshold from there when an engine before it
-    (or its sibling, starting at the same moment: a file lock orders them) chose one. Some shapes are
-    near-ties whose sweeps come out either way (gate_up at 16 rows: 0.85x F.linear in the sweeps,
-    1.025x in whole batch-16 steps), and engines that chose apart served at different speeds; with
-    the record every engine of the machine runs what the first one chose."""
+    JSON file per machine: an engine takes a shape's choice from there when an engine before it
+    (or its sibling, starting at the same moment: a file lock orders them) made one. Some shapes are
+    near-ties whose sweeps come out either way, and engines that chose apart served at different
+    speeds; with the record every engine of the machine runs what the first one chose."""
     shapes: dict[tuple, list[Linear]] = {}
     for lin in linears:
         if lin.packed is not None and lin.weight.numel():  # (both weights at hand)
@@ -262,20 +267,21 @@ def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float
     with _locked(record) as known:
         section = known.setdefault(_machine(), {})
         todo = [shape for shape in shapes if _key(shape) not in section]
-        seconds = _time_both_ways([lin for shape in todo for lin in shapes[shape][:2]], reps, timer) if todo else {}
+        seconds = _time_each_way([lin for shape in todo for lin in shapes[shape][:2]], reps, timer) if todo else {}
         for shape in todo:
-            section[_key(shape)] = _cheapest_first(seconds[shape, True], seconds[shape, False])
+            section[_key(shape)] = _choose({way: seconds[shape, way] for way in WAYS})
     chosen = []
     for shape, group in shapes.items():
-        first = section[_key(shape)]
+        choice = section[_key(shape)]
+        kernel_rows, first = choice["kernel_rows"], choice["packed_first"]
         packed_from = TUNE_ROWS[first] if first < len(TUNE_ROWS) else TUNE_ROWS[-1] + 1
+        kernel_to = TUNE_ROWS[kernel_rows - 1] if kernel_rows else 0
         for lin in group:
-            lin.packed_from = packed_from
-        when = f"from {packed_from} rows" if first < len(TUNE_ROWS) else "never"
-        chosen.append(f"{_key(shape)} {when}")
+            lin.packed_from, lin.kernel_to = packed_from, kernel_to
+        when = f"packed from {packed_from} rows" if first < len(TUNE_ROWS) else "never packed"
+        chosen.append(f"{_key(shape)} kernel to {kernel_to} rows, {when}")
     if chosen:
-        logger.info("linears (%s): oneDNN's packed weight (else F.linear) %s",
-                    "tuned here" if todo else f"as recorded in {record}", ", ".join(chosen))
+        logger.info("linears (%s): %s", "tuned here" if todo else f"as recorded in {record}", ", ".join(chosen))
 
 
 def tuning_record() -> Path | None:
@@ -327,59 +333,81 @@ def _machine() -> str:
     except OSError:
         pass
     digest = hashlib.sha1(flags.encode()).hexdigest()[:8]
-    return f"{model} (flags {digest}) | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    ways = "+".join(WAYS)  # a record of other ways (an older pdserve) holds other choices
+    return f"{model} (flags {digest}) | torch {torch.__version__} | {torch.get_num_threads()} threads | {ways}"
 
 
 def _key(shape: tuple) -> str:
     return f"{shape[0]}x{shape[1]} {str(shape[2]).removeprefix('torch.')}"
 
 
-def _time_both_ways(timed: list[Linear], reps: int, timer: Callable[[], float]) -> dict[tuple, list[float]]:
-    """(shape, packed?) -> per TUNE_ROWS entry, the fastest sweep's seconds for the linears of that
-    shape. Sweeps run over the linears in model order, as a forward runs them (each finds the
-    caches as a forward leaves them), packed and plain in alternation.
+# The ways tune_linears times a weight shape: our kernel, F.linear (MKL), oneDNN's packed weight.
+WAYS = ("kernel", "plain", "packed")
+
+
+def _use(lin: Linear, way: str) -> None:
+    lin.kernel_to = TUNE_ROWS[-1] if way == "kernel" else 0
+    lin.packed_from = 0 if way == "packed" else TUNE_ROWS[-1] + 1
+
+
+def _time_each_way(timed: list[Linear], reps: int, timer: Callable[[], float]) -> dict[tuple, list[float]]:
+    """(shape, way) -> per TUNE_ROWS entry, the fastest sweep's seconds for the linears of that
+    shape (inf for our kernel where it could not be built). Sweeps run over the linears in model
+    order, as a forward runs them (each finds the caches as a forward leaves them), the ways in
+    turn, their order rotated rep by rep.
 
     The fastest, not the median: an engine tunes while its siblings start (the server, the other
     engine, a second server in a benchmark), and a process sharing the core delays most of the
-    sweeps of a row count, not all. With the median such engines chose lm_head packed from 8 or
-    64 rows and gate_up from 16 or 32 (undisturbed: 4 and never; whole steps several % slower),
-    so two servers of the same code served at different speeds; the minimum chose the undisturbed
-    thresholds in every such start."""
+    sweeps of a row count, not all; with the median two servers of the same code chose different
+    thresholds and served at different speeds."""
     shapes = {_shape(lin) for lin in timed}
-    seconds: dict[tuple, list[float]] = {(shape, use): [] for shape in shapes for use in (True, False)}
+    ways = WAYS if linear_kernels_available() else WAYS[1:]
+    seconds: dict[tuple, list[float]] = {(shape, way): [] for shape in shapes for way in WAYS}
     with torch.inference_mode():
         for rows in TUNE_ROWS:
             inputs = {shape: torch.randn(rows, shape[0]).to(shape[2]) for shape in shapes}
-            samples: dict[tuple, list[float]] = {key: [] for key in seconds}
+            samples: dict[tuple, list[float]] = {key: [math.inf] for key in seconds}
             for rep in range(reps):
-                for use in (rep % 2 == 0, rep % 2 == 1):
+                for way in ways[rep % len(ways):] + ways[:rep % len(ways)]:
                     total = dict.fromkeys(shapes, 0.0)
                     for lin in timed:
-                        lin.packed_from = 0 if use else TUNE_ROWS[-1] + 1
+                        _use(lin, way)
                         start = timer()
                         lin(inputs[_shape(lin)])
                         total[_shape(lin)] += timer() - start
                     for shape, t in total.items():
-                        samples[shape, use].append(t)
+                        samples[shape, way].append(t)
             for key, times in samples.items():
                 seconds[key].append(min(times))
     return seconds
 
 
-# The packed weight must be this much faster in the sweeps at a row count to count as faster there.
-# In a forward a near-tie goes the other way: gate_up (256x1408) packed from 16 rows, which its sweeps
-# timed at 0.93-1.0x F.linear's, made whole batch-16 decode steps 3-6% slower than F.linear did (four
-# A/B runs); and sweeps a few percent apart are within this box's noise, so engines built a minute
-# apart split such ties differently. Clear wins stay packed (a 4096-row lm_head from 4 rows: 0.6-0.7x).
-PACKED_MARGIN = 1.15
+# A library's way must be this much slower in the sweeps at a row count to count as slower there
+# (oneDNN's packed weight against MKL's F.linear, and either against our kernel). In a forward a
+# near-tie often goes the other way, and sweeps a few percent apart are within this box's noise, so
+# engines built a minute apart split such ties differently; clear wins are not near the margin
+# (benchmarks/results/quantization.md).
+LIBRARY_MARGIN = 1.15
+
+
+def _choose(seconds: dict[str, list[float]]) -> dict[str, int]:
+    """From per-way sweep times over TUNE_ROWS: `kernel_rows`, how many of the first row counts run
+    our kernel (each where it beats both libraries by LIBRARY_MARGIN, from the first on: a few rows
+    is where a GEMM library reads the weight slowest), and `packed_first`, the index into TUNE_ROWS
+    from which the packed weight runs (len: never) among the rest."""
+    kernel, plain, packed = seconds["kernel"], seconds["plain"], seconds["packed"]
+    rows = 0
+    while rows < len(TUNE_ROWS) and kernel[rows] * LIBRARY_MARGIN <= min(plain[rows], packed[rows]):
+        rows += 1
+    return {"kernel_rows": rows, "packed_first": rows + _cheapest_first(packed[rows:], plain[rows:])}
 
 
 def _cheapest_first(packed: list[float], plain: list[float]) -> int:
-    """The index into TUNE_ROWS from which running packed costs least over all row counts (len:
-    never), each row count's time relative to its faster way and packed's handicapped by
-    PACKED_MARGIN: a near-tie then costs next to nothing either way, where a rule like "packed
+    """The index into these row counts from which running packed costs least over all of them
+    (len: never), each row count's time relative to its faster way and packed's handicapped by
+    LIBRARY_MARGIN: a near-tie then costs next to nothing either way, where a rule like "packed
     wins from here on" would move the threshold with the noise."""
-    packed = [t * PACKED_MARGIN for t in packed]
+    packed = [t * LIBRARY_MARGIN for t in packed]
     best = [min(a, b) or 1e-12 for a, b in zip(packed, plain)]
     return min(range(len(best) + 1),
                key=lambda first: sum((packed[i] if i >= first else plain[i]) / best[i] for i in range(len(best))))
