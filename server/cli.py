@@ -33,6 +33,7 @@ from engine.config import (
     default_max_model_len,
     default_model,
 )
+from engine.grammar import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from engine.types import EngineRole, KVTransferMode, ServeMode
 from server.allocator import engine_env, reexec_with_tcmalloc
 from server.supervisor import Supervisor
@@ -184,7 +185,8 @@ def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str, cluster_k
                         max_in_flight_per_key=args.max_in_flight_per_key,
                         max_response_entries=args.max_response_entries, max_stream_backlog=args.max_stream_backlog)
     app = build_app(client, load_tokenizer(model), args.served_model_name or Path(model).name,
-                    api_key=args.api_key or None, limits=limits)
+                    api_key=args.api_key or None, grammar_timeout_s=args.grammar_timeout_s,
+                    max_grammar_bytes=args.max_grammar_bytes, limits=limits)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
     asyncio.run(uvicorn.Server(config).serve())
 
@@ -349,6 +351,10 @@ def add_front_end_flags(p: argparse.ArgumentParser) -> None:
              "many times (0: off; the stream then ends with an error)")
     add_flag(p, "--resume-wait-s", float, 20.0, "failover: wait this long for a live instance of a role a "
              "failed request needs, then end its stream with an error")
+    add_flag(p, "--grammar-timeout-s", float, DEFAULT_GRAMMAR_TIMEOUT_S, "structured output: a grammar (JSON schema, "
+             "tool call) that does not compile within this long is refused with a 400 (compiled off the event loop)")
+    add_flag(p, "--max-grammar-bytes", int, DEFAULT_MAX_GRAMMAR_BYTES, "structured output: a larger grammar is "
+             "refused with a 400 before it is compiled")
     add_flag(p, "--local-prefill-above", int, 1024, "PD: prefill a request on its decode instance when the "
              "prefill instance already has more than this many prompt tokens queued (0: always on prefill)")
 

@@ -227,7 +227,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, tokenizer):
     limits = HTTPLimits(max_stream_backlog=256)
-    with served(tmp_path_factory.mktemp("limits"), "colocated", tokenizer, MODEL, limits=limits,
+    with served(tmp_path_factory.mktemp("limits"), "colocated", tokenizer, MODEL, app_options={"limits": limits},
                 model=str(BUNDLED_MODEL), max_model_len=1024, block_size=16) as s:
         yield s
 

@@ -180,7 +180,7 @@ class ModelRunner:
             self.kv_tap.forget([*sched.finished_req_ids, *sched.preempted_req_ids])
         for new in sched.new_requests:
             slot = st.add_request(new)
-            self.grammar.admit(slot, new.sampling_params.grammar, new.all_token_ids[new.prompt_len:])
+            self.grammar.admit(slot, new.sampling_params.grammar, new.all_token_ids[new.prompt_len:], new.grammar)
             if self.check_invariants:
                 invariants.check_admission(st, slot)
             if new.handoff_hidden is not None and isinstance(self.drafter, MTPDrafter):
