@@ -22,6 +22,7 @@ import msgspec
 import zmq
 
 from engine import messages as msg
+from engine import settings
 from engine.config import ClusterKey, EngineConfig, KVTransferConfig
 from engine.core import EngineCore
 from engine.grammar_prep import GrammarPrep
@@ -67,7 +68,7 @@ class EngineProcess:
         self._status = self._engine_status()
         self._status_at = time.monotonic()
         # Fault-injection knob for tests and drills: slow every step down (seconds).
-        self.step_delay = float(os.environ.get("PDSERVE_DEBUG_STEP_DELAY", "0"))
+        self.step_delay = settings.DEBUG_STEP_DELAY.get()
         self.fault_exit = FaultExitOnPrompt.from_env()
         # The link to the front end runs in a thread of its own (engine/link.py): it heart-beats
         # while a step runs, and the loop never blocks on the front end. Engines connect to the
@@ -257,7 +258,7 @@ class FaultExitOnPrompt:
 
     @classmethod
     def from_env(cls) -> FaultExitOnPrompt | None:
-        raw = os.environ.get("PDSERVE_FAULT_EXIT_ON_PROMPT", "").strip()
+        raw = settings.FAULT_EXIT_ON_PROMPT.get()
         return cls([int(t) for t in raw.split(",")]) if raw else None
 
     def watch(self, req_id: str, prompt: list[int]) -> None:
@@ -278,7 +279,7 @@ def run_engine_process(role: str, config: EngineConfig, name: str, server_addr: 
 
     `on_engine` sees the engine once its model is loaded, before the loop starts (the
     `--health-port` endpoint attaches itself there)."""
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=settings.LOG_LEVEL.get(),
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     engine = EngineProcess(role, config, name, server_addr, **kv)
     if on_engine is not None:

@@ -61,9 +61,10 @@ def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | N
     `tokenizer`: a transformers tokenizer, or None (token-id prompts only). `api_key`: when set,
     /v1/* needs `Authorization: Bearer <key>`; several keys may be given separated by commas.
     `max_queue`: generation requests in flight beyond which new ones get 429. `manage_client`: start
-    the client on startup (always, idempotently for LocalEngineClient) and stop it on shutdown (only
-    when True). `grammar_timeout_s`, `max_grammar_bytes`: the budget of one structured-output grammar
-    (server/grammar_pool.py). `limits`: the other bounds on clients (server/limits.py).
+    the client on startup (always, idempotently for the tests' in-process client) and stop it on
+    shutdown (only when True). `grammar_timeout_s`, `max_grammar_bytes`: the budget of one
+    structured-output grammar (server/grammar_pool.py). `limits`: the other bounds on clients
+    (server/limits.py).
     """
     limits = limits or HTTPLimits()
     metrics = ServerMetrics(client.instances, getattr(client, "counters", None))

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from engine import settings
 from engine.config import (
     CLUSTER_KEY_FILE_ENV,
     ClusterKey,
@@ -55,9 +56,9 @@ ENGINE_FLAGS = [
     ("--device", str, "cpu", "cpu | cuda"),
     ("--seed", int, 0, "default sampling seed"),
     ("--speculative-method", str, "auto", "mtp | ngram | none | auto (mtp when the model has MTP layers)"),
-    # 2, as the engine's default: with the bundled model's distilled MTP layer a third draft never paid at
-    # batch 1 offline (fixed K=3 1.43x against K=2 1.57x at T=1), and the server's noisy step timings
-    # had the adaptive policy pick it on most batch-1 steps in some runs (1.21x where k=2 gave 1.38x).
+    # 2, as the engine's default: with the bundled model's distilled MTP layer a third draft does not pay
+    # at batch 1 (fixed K=3 is slower than K=2, benchmarks/results/bench_spec.txt), and allowing it lets
+    # the server's noisy step timings lead the adaptive policy to pick it where K=2 is faster.
     ("--num-speculative-tokens", int, EngineConfig.num_speculative_tokens,
      "draft tokens per step (the most, under --spec-policy adaptive)"),
     ("--spec-policy", str, "adaptive", "adaptive (0..K drafts per step from measured acceptance and cost) | fixed"),
@@ -71,7 +72,7 @@ ENGINE_FLAGS = [
 
 
 def _env(flag: str) -> str:
-    return "PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+    return settings.flag_env_name(flag)
 
 
 KV_MODE_HELP = ("layerwise | after-prefill: push each layer's KV as the prefill writes it, or all of it after "
@@ -80,13 +81,13 @@ KV_MIN_HELP = "layer-wise mode: prompts shorter than this go in one message afte
 
 
 def add_flag(p: argparse.ArgumentParser, flag: str, typ, default, help_: str) -> None:
-    env = os.environ.get(_env(flag))
+    env = settings.flag_env(flag)
     p.add_argument(flag, type=typ, default=typ(env) if env is not None else default, help=f"{help_} [{_env(flag)}]")
 
 
 def add_switch(p: argparse.ArgumentParser, flag: str, help_: str) -> None:
     """An on/off flag, also on when its environment variable is 1/true/yes."""
-    env = os.environ.get(_env(flag), "").lower() in ("1", "true", "yes")
+    env = (settings.flag_env(flag) or "").lower() in ("1", "true", "yes")
     p.add_argument(flag, action="store_true", default=env, help=f"{help_} [{_env(flag)}=1]")
 
 
@@ -99,10 +100,10 @@ def add_kv_payload_flags(p: argparse.ArgumentParser, who: str, checksum_help: st
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     for flag, typ, default, help_ in ENGINE_FLAGS:
         add_flag(p, flag, typ, default, help_)
-    env = os.environ.get("PDSERVE_ENABLE_PREFIX_CACHING")
+    env = settings.flag_env("--enable-prefix-caching")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=(env not in ("0", "false")) if env is not None else True,
-                   help="[PDSERVE_ENABLE_PREFIX_CACHING]")
+                   default=settings.truthy(env) if env is not None else True,
+                   help=f"[{_env('--enable-prefix-caching')}]")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="run the model eagerly instead of compiling it with torch.compile (default: eager on CPU, "
                         "compiled on CUDA) [PDSERVE_ENFORCE_EAGER]")
@@ -455,7 +456,7 @@ def main(argv: list[str] | None = None) -> None:
     # Must be set before torch starts OpenMP, i.e. before anything imports torch.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = parse_args(argv)
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=settings.LOG_LEVEL.get(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.func is cmd_engine and argv is None:  # a standalone engine process (not called in-process)
         reexec_with_tcmalloc()

@@ -1,9 +1,9 @@
 """Structured output: per-slot grammar matchers (xgrammar) and the token masks they give the sampler.
 
 Why xgrammar: benchmarks/bench_grammar_mask.py measures the per-token mask on this CPU (bundled
-vocabulary, 1 thread): filling the bitmask of a JSON-schema matcher costs a median 2.2 us (p99 11
-us) against llguidance's 27 us (p99 180 us), with the same apply cost; it also rolls back
-natively, which speculative decoding needs.
+vocabulary, 1 thread): filling the bitmask of a JSON-schema matcher costs xgrammar several times
+less than llguidance, at the median and at p99, with the same apply cost
+(benchmarks/results/grammar_mask.txt); it also rolls back natively, which speculative decoding needs.
 
 A request with `SamplingParams.grammar` owns a matcher in its slot. The matcher has consumed
 exactly the request's output tokens so far: on admission it is rebuilt from the outputs the
@@ -15,7 +15,7 @@ A draft the grammar refuses makes every later position of its window moot (the t
 sample it, so verification stops there): those positions are left unmasked. The drafters follow
 the grammar too (DraftWalk for MTP, `valid_prefix` for n-gram lookup), which only changes which
 drafts are proposed, never the output: on the bundled model it lifts MTP acceptance under a JSON
-schema from 8% to 60% (benchmarks/results/grammar_mask.txt).
+schema several-fold (benchmarks/results/grammar_mask.txt).
 
 Compiled grammars are cached by spec (kind + text), so a schema is compiled once per process.
 Compiling never happens inside an engine step: an engine process compiles a request's grammar on
