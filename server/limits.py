@@ -43,8 +43,9 @@ class HTTPLimits:
     # Applies only with more than one API key (one shared key identifies the deployment, not a user).
     max_in_flight_per_key: int = DEFAULT_MAX_QUEUE * 3 // 4
     # choices x max_tokens x (1 + logprobs): one entry is one token or one top-logprob alternative,
-    # a few tens of bytes of JSON. 2^19 admits n=128 x 4096 tokens, or one 4096-token choice with
-    # 20 alternatives per token (86,016), while the n=256 x 500 x 21 response is refused.
+    # a few tens of bytes of JSON. 2^19 admits 128 choices of 4096 tokens each, or one 4096-token
+    # choice with 20 alternatives per token, and refuses the 256 choices of 500 tokens with
+    # 20 alternatives each.
     max_response_entries: int = 2**19
     # Entries (as above) a stream may produce while its writer waits on the client's socket (the
     # socket's own buffers are full): a client that reads at all never gets near this.
