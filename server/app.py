@@ -5,18 +5,21 @@ server-sent events or not), GET /v1/models, GET /health, GET /metrics, POST /tok
 status page GET /status with its GET /status.json (server/status.py). Each route
 is a few lines over the serving layer (server/serving.py, completions.py, chat.py).
 
-Order of checks on /v1 generation routes, /tokenize and /detokenize: API key (401) -> capacity
-(429 + Retry-After) -> body size (413, before parsing) -> UTF-8 / JSON / schema (400) -> model
-name (404) -> prompt and sampling parameters (400). Bad input always ends in a 4xx with an OpenAI error body; a 500
-only ever means a bug, and is counted in `app.state.internal_errors`. Every response carries an
-`x-request-id` header (server/request_ids.py).
+Order of checks on /v1 generation routes, /tokenize and /detokenize: API key (401) -> the body,
+read whole (413 over the size limit, 408 past the read timeout, 400 for Content-Length with
+Transfer-Encoding) -> capacity: per client address, per API key, global (429 + Retry-After) ->
+UTF-8 / JSON / schema (400) -> response size (400) -> model name (404) -> prompt and sampling
+parameters (400). A slot is only taken once the body is in: a client that sends its body slowly
+holds a connection, never a slot (server/limits.py). Bad input always ends in a 4xx with an OpenAI
+error body; a 500 only ever means a bug, and is counted in `app.state.internal_errors`. Every
+response carries an `x-request-id` header (server/request_ids.py).
 """
 from __future__ import annotations
 
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -28,6 +31,7 @@ from engine.grammar import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.errors import DEFAULT_MAX_BODY_BYTES, APIError, error_response, parse_json, parse_model, read_body
+from server.limits import DEFAULT_MAX_QUEUE, HTTPLimits, InFlightCaps, check_response_size
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.openai_schemas import (
     ChatCompletionRequest,
@@ -37,6 +41,7 @@ from server.openai_schemas import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from server.openapi import add_request_schemas, request_body
 from server.protocol import EngineClient
 from server.request_ids import HEADER, RequestIdMiddleware, request_id
 from server.response_bodies import DetokenizeResponse, HealthResponse, ModelCard, ModelList, TokenizeResponse
@@ -46,21 +51,22 @@ from server.status import add_status_routes
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_QUEUE = 512
-
 
 def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | None = None,
               max_queue: int = DEFAULT_MAX_QUEUE, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               manage_client: bool = True, grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S,
-              max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> FastAPI:
+              max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES, limits: HTTPLimits | None = None) -> FastAPI:
     """The FastAPI app serving `client`.
 
     `tokenizer`: a transformers tokenizer, or None (token-id prompts only). `api_key`: when set,
-    /v1/* needs `Authorization: Bearer <key>`. `max_queue`: generation requests in flight beyond
-    which new ones get 429. `manage_client`: start the client on startup (always, idempotently
-    for the tests' in-process client) and stop it on shutdown (only when True). `grammar_timeout_s`,
-    `max_grammar_bytes`: the budget of one structured-output grammar (server/grammar_pool.py).
+    /v1/* needs `Authorization: Bearer <key>`; several keys may be given separated by commas.
+    `max_queue`: generation requests in flight beyond which new ones get 429. `manage_client`: start
+    the client on startup (always, idempotently for the tests' in-process client) and stop it on
+    shutdown (only when True). `grammar_timeout_s`, `max_grammar_bytes`: the budget of one
+    structured-output grammar (server/grammar_pool.py). `limits`: the other bounds on clients
+    (server/limits.py).
     """
+    limits = limits or HTTPLimits()
     metrics = ServerMetrics(client.instances, getattr(client, "counters", None))
     serving = Serving(client, tokenizer, model_name, metrics, max_queue, grammar_timeout_s, max_grammar_bytes)
     loaded_at = int(time.time())  # the tokenizer and engine client are in hand: /v1/models' `created`
@@ -75,59 +81,87 @@ def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | N
             if manage_client:
                 await client.stop()
 
-    app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json and /docs as vLLM serves them, request bodies included (server/openapi.py).
+    app = FastAPI(title="pdserve", lifespan=lifespan, redoc_url=None)
     app.state.serving = serving
     app.state.metrics = metrics
+    app.state.limits = limits
     app.state.internal_errors = 0
     app.add_middleware(RequestIdMiddleware)
     _add_error_handlers(app)
-    gate = _Gate(serving, api_key, max_body_bytes)
+    gate = _Gate(serving, api_key, max_body_bytes, limits)
     _add_generation_routes(app, gate)
     _add_other_routes(app, gate, serving, client, loaded_at)
     add_status_routes(app, client, gate.check_auth)
+    add_request_schemas(app)
     return app
 
 
 class _Gate:
-    """What stands before a route: the API key, a serving slot, the body."""
+    """What stands before a route: the API key, the body, a serving slot."""
 
-    def __init__(self, serving: Serving, api_key: str | None, max_body_bytes: int) -> None:
-        self.serving, self.api_key, self.max_body_bytes = serving, api_key, max_body_bytes
+    def __init__(self, serving: Serving, api_key: str | None, max_body_bytes: int, limits: HTTPLimits) -> None:
+        self.serving, self.max_body_bytes, self.limits = serving, max_body_bytes, limits
+        self.api_keys = [k.strip() for k in api_key.split(",") if k.strip()] if api_key else []
+        self.caps = InFlightCaps(limits, lambda: serving.metrics.http_rejected.labels(status="429").inc())
 
-    def check_auth(self, request: Request, allow_query_key: bool = False) -> None:
-        """`allow_query_key`: `?key=` may stand for the header (a page a browser opens: /status)."""
-        if self.api_key is None:
-            return
+    def check_auth(self, request: Request, allow_query_key: bool = False) -> str | None:
+        """The API key the request presented (None when the server has none), or 401.
+        `allow_query_key`: `?key=` may stand for the header (a page a browser opens: /status)."""
+        if not self.api_keys:
+            return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if allow_query_key and not scheme:
             scheme, token = "bearer", request.query_params.get("key", "")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        presented = token.strip().encode()
+        # Every key is compared (constant time each), so the time taken does not tell which matched.
+        matches = [hmac.compare_digest(presented, key.encode()) for key in self.api_keys]
+        if scheme.lower() != "bearer" or not any(matches):
             self.serving.metrics.http_rejected.labels(status="401").inc()
             raise APIError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
                            param=None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return self.api_keys[matches.index(True)]
 
-    async def json(self, request: Request):
-        return parse_json(await read_body(request, self.max_body_bytes))
+    async def body(self, request: Request) -> bytes:
+        return await read_body(request, self.max_body_bytes, self.limits.body_read_timeout_s)
+
+    def acquire(self, request: Request, key: str | None) -> Callable[[], None]:
+        """A slot under the per-client, per-key and global caps (429); returns the release."""
+        client = request.client.host if request.client else None
+        release_caps = self.caps.acquire(client, key if len(self.api_keys) > 1 else None)
+        try:
+            release_global = self.serving.acquire()
+        except APIError:
+            release_caps()
+            raise
+
+        def release() -> None:
+            release_global()
+            release_caps()
+        return release
 
     @asynccontextmanager
     async def slot(self, request: Request) -> AsyncIterator[dict]:
-        """Auth and a serving slot (429 at capacity), held while the body is parsed and answered:
+        """Auth, the body, a serving slot (429 at capacity) held while the body is parsed and answered:
         /tokenize and /detokenize are work the front end does, and count as requests in flight."""
-        self.check_auth(request)
-        release = self.serving.acquire()
+        key = self.check_auth(request)
+        raw = await self.body(request)
+        release = self.acquire(request, key)
         try:
-            yield await self.json(request)
+            yield parse_json(raw)
         finally:
             release()
 
     async def admit(self, request: Request, model, handler) -> Response:
-        """Auth, a serving slot, the parsed body, then `handler`: it owns the slot's `release` from
-        there (a stream releases it when it ends); anything failing before that releases it here."""
+        """Auth, the body, a slot, the parsed request, then `handler`: it owns the slot's `release`
+        from there (a stream releases it when it ends); anything failing before that releases it here."""
         arrival = time.monotonic()
-        self.check_auth(request)
-        release = self.serving.acquire()
+        key = self.check_auth(request)
+        raw = await self.body(request)
+        release = self.acquire(request, key)
         try:
-            req = parse_model(model, await self.json(request))
+            req = parse_model(model, parse_json(raw))
+            check_response_size(req, self.serving.client.max_model_len, self.limits.max_response_entries)
             return await handler(self.serving, request, req, release, arrival)
         except BaseException:
             release()
@@ -158,15 +192,15 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
         return await gate.admit(request, CompletionRequest, create_completion)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await gate.admit(request, ChatCompletionRequest, create_chat_completion)
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", openapi_extra=request_body(ResponsesRequest))
     async def responses(request: Request):
         return await gate.admit(request, ResponsesRequest, create_response)
 
@@ -197,7 +231,7 @@ def _add_other_routes(app: FastAPI, gate: _Gate, serving: Serving, client: Engin
     async def prometheus_metrics():
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeCompletionRequest, TokenizeChatRequest))
     async def tokenize(request: Request):
         async with gate.slot(request) as data:
             if "messages" in data:
@@ -211,7 +245,7 @@ def _add_other_routes(app: FastAPI, gate: _Gate, serving: Serving, client: Engin
             return TokenizeResponse(count=len(ids), max_model_len=client.max_model_len, tokens=ids,
                                     token_strs=serving.token_strs(ids)).body()
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
     async def detokenize(request: Request):
         async with gate.slot(request) as data:
             req: DetokenizeRequest = parse_model(DetokenizeRequest, data)

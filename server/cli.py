@@ -169,6 +169,7 @@ def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str, cluster_k
 
     from engine.tokenizer import load_tokenizer
     from server.app import build_app
+    from server.limits import HTTPLimits, raise_open_files_limit
     from server.pd_client import RemoteEngineClient
 
     model = args.model or default_model()
@@ -179,9 +180,14 @@ def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str, cluster_k
                                 resume_wait_s=args.resume_wait_s, local_prefill_above=args.local_prefill_above,
                                 stall_dead_after_s=args.stall_dead_after_s, cluster_key=cluster_key,
                                 extra_counters=extra_counters)
+    raise_open_files_limit()
+    limits = HTTPLimits(body_read_timeout_s=args.body_read_timeout_s,
+                        max_in_flight_per_client=args.max_in_flight_per_client,
+                        max_in_flight_per_key=args.max_in_flight_per_key,
+                        max_response_entries=args.max_response_entries, max_stream_backlog=args.max_stream_backlog)
     app = build_app(client, load_tokenizer(model), args.served_model_name or Path(model).name,
                     api_key=args.api_key or None, grammar_timeout_s=args.grammar_timeout_s,
-                    max_grammar_bytes=args.max_grammar_bytes)
+                    max_grammar_bytes=args.max_grammar_bytes, limits=limits)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
     asyncio.run(uvicorn.Server(config).serve())
 
@@ -335,7 +341,8 @@ def add_keygen(sub) -> None:
 def add_front_end_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--host", str, "127.0.0.1", "HTTP host")
     add_flag(p, "--port", int, 8000, "HTTP port")
-    add_flag(p, "--api-key", str, "", "require Authorization: Bearer KEY on /v1/*")
+    add_flag(p, "--api-key", str, "", "require Authorization: Bearer KEY on /v1/* (several keys: KEY1,KEY2)")
+    add_limit_flags(p)
     add_flag(p, "--served-model-name", str, None, "model name in the API (default: the folder name)")
     add_flag(p, "--dead-after-s", float, 3.0, "declare an engine dead after this long without a heartbeat (sent by a "
              "thread of the engine every 0.2 s, whatever its step costs)")
@@ -351,6 +358,23 @@ def add_front_end_flags(p: argparse.ArgumentParser) -> None:
              "refused with a 400 before it is compiled")
     add_flag(p, "--local-prefill-above", int, 1024, "PD: prefill a request on its decode instance when the "
              "prefill instance already has more than this many prompt tokens queued (0: always on prefill)")
+
+
+def add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """Bounds on clients (server/limits.py: why each default is far from what a fair client needs)."""
+    from server.limits import HTTPLimits
+
+    d = HTTPLimits()
+    add_flag(p, "--body-read-timeout-s", float, d.body_read_timeout_s, "a request body must arrive whole within "
+             "this (408 and the connection closed otherwise); no serving slot is taken before it has")
+    add_flag(p, "--max-in-flight-per-client", int, d.max_in_flight_per_client, "requests in flight from one client "
+             "address (429 beyond; 0: off, e.g. behind a reverse proxy, where every request has its address)")
+    add_flag(p, "--max-in-flight-per-key", int, d.max_in_flight_per_key, "requests in flight per API key when "
+             "--api-key lists several keys (429 beyond; 0: off)")
+    add_flag(p, "--max-response-entries", int, d.max_response_entries, "refuse (400) a request whose response "
+             "could hold more than this many choices x max_tokens x (1 + logprobs)")
+    add_flag(p, "--max-stream-backlog", int, d.max_stream_backlog, "abort a stream (freeing its KV) once this many "
+             "tokens x (1 + logprobs) were generated while its client read nothing")
 
 
 def build_parser() -> argparse.ArgumentParser:

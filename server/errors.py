@@ -6,6 +6,7 @@ strict UTF-8, then JSON, then the pydantic model (400 for each).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any
@@ -13,11 +14,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # An oversized body is read and thrown away up to this many bytes, so the client still gets
 # the 413 instead of a reset connection; beyond it the connection is simply not read further.
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
+CLOSE = {"Connection": "close"}
 
 
 class APIError(Exception):
@@ -56,40 +59,66 @@ def bad_request(exc_or_message: Exception | str, param: str | None = None) -> AP
     return APIError(400, message, param=param)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, or 413 when it is over `limit` bytes (by Content-Length or as it arrives)."""
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The raw body, or 413 when it is over `limit` bytes (by Content-Length or as it arrives), or
+    408 when it has not all arrived within `timeout_s`. A refusal before the whole body was read
+    closes the connection (`Connection: close`): what the client still sends is never read."""
     declared = request.headers.get("content-length")
+    if declared is not None and "transfer-encoding" in request.headers:
+        # Two framings at once is how requests are smuggled past a proxy that reads the other one.
+        raise APIError(400, "Content-Length and Transfer-Encoding must not be sent together", headers=CLOSE)
+    deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
     if declared is not None:
         try:
             size = int(declared)
         except ValueError:
-            raise APIError(400, "invalid Content-Length header") from None
+            raise APIError(400, "invalid Content-Length header", headers=CLOSE) from None
         if size > limit:
-            await _drain(request)
+            if size <= DRAIN_LIMIT_BYTES:  # a client that sends it all reads the 413 after it
+                await _drain(request, deadline)
             raise _too_large(limit)
+    try:
+        async with asyncio.timeout_at(deadline):
+            body = await _receive(request, limit)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout",
+                       headers=CLOSE) from None
+    except ClientDisconnect:  # nobody is left to answer; 499 as nginx logs it
+        raise APIError(499, "client disconnected before sending the whole body") from None
+    if body is None:
+        await _drain(request, deadline, limit)
+        raise _too_large(limit)
+    return body
+
+
+async def _receive(request: Request, limit: int) -> bytes | None:
+    """The body, or None as soon as it is over `limit` bytes."""
     parts: list[bytes] = []
     received = 0
     async for part in request.stream():
         received += len(part)
         if received > limit:
-            await _drain(request, received)
-            raise _too_large(limit)
+            return None
         parts.append(part)
     return b"".join(parts)
 
 
 def _too_large(limit: int) -> APIError:
-    return APIError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
+    return APIError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large",
+                    headers=CLOSE)
 
 
-async def _drain(request: Request, already: int = 0) -> None:
+async def _drain(request: Request, deadline: float | None, already: int = 0) -> None:
+    """Read and drop the rest of the body, up to DRAIN_LIMIT_BYTES and until `deadline`."""
     received = already
     try:
-        async for part in request.stream():
-            received += len(part)
-            if received > DRAIN_LIMIT_BYTES:
-                break
-    except Exception:  # the client went away or the stream was consumed: nothing left to drain
+        async with asyncio.timeout_at(deadline):
+            while received <= DRAIN_LIMIT_BYTES:  # raw messages: works however much was read before
+                message = await request.receive()
+                received += len(message.get("body", b""))
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    break
+    except Exception:  # timed out or the client went away: stop draining
         pass
 
 

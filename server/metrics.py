@@ -141,6 +141,9 @@ class ServerMetrics:
         self.request_errors = Counter("pdserve:request_errors", "Requests that failed inside the engine.", registry=r)
         self.http_rejected = Counter("pdserve:http_requests_rejected", "HTTP requests refused, by status code.",
                                      ["status"], registry=r)
+        self.slow_reader_aborts = Counter("pdserve:streams_aborted_slow_reader",
+                                          "Streams aborted because their client stopped reading (backlog bound).",
+                                          registry=r)
         for reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):
             self.request_success.labels(finished_reason=reason)
         r.register(_InstanceCollector(instances, counters))

@@ -1,8 +1,10 @@
 """Server-sent events for the generation routes: all choices of a request interleaved as they
-come, `data: [DONE]` at the end, and the request's resources freed however the stream ends."""
+come, `data: [DONE]` at the end, and the request's resources freed however the stream ends,
+including when its client stops reading (server/backpressure.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -10,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from engine.types import FinishReason
+from server.backpressure import StreamBacklog
 from server.errors import error_body
 from server.response_bodies import Usage
 from server.serving import Choice, Delta, Serving, choice_usage, sse, usage
@@ -59,17 +62,29 @@ class ContinuousUsage:
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """Runs `on_close` however the response ends (finished, client gone, send failed), even if
-    the body iterator never started — the one place that reliably frees a stream's resources."""
+    """Runs `on_close` however the response ends (finished, client gone, send failed, `cut` set),
+    even if the body iterator never started — the one place that reliably frees a stream's
+    resources. `cut`: when set, the response stops where it is (its writer may be waiting on a
+    client that does not read) and the server closes the connection."""
 
-    def __init__(self, content, on_close: Callable[[], None], **kwargs) -> None:
+    def __init__(self, content, on_close: Callable[[], None], cut: asyncio.Event, **kwargs) -> None:
         super().__init__(content, **kwargs)
         self._on_close = on_close
+        self._cut = cut
 
     async def __call__(self, scope, receive, send) -> None:
+        respond = asyncio.ensure_future(super().__call__(scope, receive, send))
+        cut = asyncio.ensure_future(self._cut.wait())
         try:
-            await super().__call__(scope, receive, send)
+            done, _ = await asyncio.wait({respond, cut}, return_when=asyncio.FIRST_COMPLETED)
+            if respond in done:
+                respond.result()  # its outcome, exception included
         finally:
+            cut.cancel()
+            if not respond.done():  # cut, or this call cancelled: stop the writer where it waits
+                respond.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await respond
             self._on_close()
 
 
@@ -78,16 +93,21 @@ async def stream_response(request: Request, serving: Serving, choices: list[Choi
     """The response starts once every choice has its first event: a request the engine client
     refuses (bad input, no instance available) still gets a real 400/503, not a 200 whose
     stream holds an error. Failures after that arrive as an error event in the stream."""
-    events: asyncio.Queue = asyncio.Queue()
-    tasks = serving.start(choices, streams, events)
-    await serving.wait_started(request, choices, tasks)
-
     def close() -> None:
         serving.cancel(tasks)  # aborts whatever is still generating (client gone)
         release()
 
+    def slow_reader() -> None:
+        serving.metrics.slow_reader_aborts.inc()
+        close()
+
+    events = StreamBacklog(request.app.state.limits.max_stream_backlog, slow_reader)
+    tasks = serving.start(choices, streams, events)
+    await serving.wait_started(request, choices, tasks)
+
     async def body() -> AsyncIterator[str]:
         counter = ContinuousUsage(choices, fmt.continuous_usage)
+        events.arm()
         try:
             for chunk in fmt.preamble():
                 yield fmt.encode(counter.stamp(chunk))
@@ -100,11 +120,11 @@ async def stream_response(request: Request, serving: Serving, choices: list[Choi
         finally:
             close()  # synchronous: this may run inside a cancelled scope
 
-    return ClosingStreamingResponse(body(), on_close=close, media_type="text/event-stream",
+    return ClosingStreamingResponse(body(), on_close=close, cut=events.overflowed, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _events(events: asyncio.Queue, num_choices: int, fmt: StreamFormat,
+async def _events(events: StreamBacklog, num_choices: int, fmt: StreamFormat,
                   counter: ContinuousUsage) -> AsyncIterator[str]:
     remaining = num_choices
     while remaining:

@@ -23,6 +23,7 @@ class HTTPServed:
     url: str
     engines: dict[str, EngineProcess]  # by instance name: "colocated-0", or "prefill-0" and "decode-0"
     app: Any  # the FastAPI app (its state: app.state.serving)
+    server: ServerThread  # its uvicorn server: server.server
 
     def hit_blocks(self, name: str) -> int:
         """Prefix-cache hits (blocks) the instance has handed out so far."""
@@ -45,7 +46,7 @@ def served(tmp: Path, mode: str, tokenizer, model_name: str, app_options: dict |
             def ready() -> bool:
                 return httpx.get(f"{server.url}/health", timeout=2).status_code == 200
             wait_until(ready, 60, "the engines to register", interval=0.1)
-            yield HTTPServed(server.url, engines.procs, server.app)
+            yield HTTPServed(server.url, engines.procs, server.app, server)
             assert server.app.state.internal_errors == 0
     finally:
         engines.stop()
