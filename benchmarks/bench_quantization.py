@@ -11,8 +11,11 @@ embedding (a row a step) is left out. The int8 variants are one engine whose lin
 fp32 activations, or F.linear on the int8 weight converted to fp32 for the call and the scales
 applied after (what torchao's int8 weight-only tensor does in eager mode, and what ours does above
 NARROW_MAX_ROWS rows). Then the same ways per linear, one row through 8 layers' worth of
-Qwen3-0.6B shapes (with torchao itself where it is importable), and the bandwidth probe: a 512 MiB
-tensor copy (read + written bytes) and a sum over it (read bytes), best of 5.
+Qwen3-0.6B shapes (with torchao itself where it is importable), and the machine probes: a 512 MiB
+tensor copy (read + written bytes) and a sum over it (read bytes), best of 5, and an fp32 GEMM of
+2048^3 (the compute peak a prefill step can hope for), best of 5. Each variant's prefill step (one
+PREFILL_TOKENS-token prompt, fastest of the reps) is reported in GFLOP/s against that peak: linears
+2 * in * out per token, attention 4 * head_dim * heads per (query, key) pair of the causal prompt.
 
     python scripts/make_random_checkpoint.py /tmp/q06 --preset qwen3-0.6b
     python benchmarks/bench_quantization.py /tmp/q06 --threads 1 2 [--out benchmarks/results/quantization.md]
@@ -42,6 +45,21 @@ VARIANTS: dict[str, tuple[dict, str | None]] = {
     "int8 (convert + F.linear + scale)": ({"quantization": "int8"}, "convert"),
 }
 SLOW = ("int8pack", "convert")  # fewer steps for these
+
+
+PREFILL_TOKENS = 256
+
+
+def prefill_flops(model: torch.nn.Module, config, tokens: int) -> float:
+    """FLOPs of one prefill of `tokens` tokens: every linear's multiply-adds per token, and causal
+    attention's QK^T and PV over tokens * (tokens + 1) / 2 pairs per layer."""
+    from worker.models.linear import Linear
+
+    linear = sum(2 * m.in_features * m.out_features for m in model.modules()
+                 if isinstance(m, Linear) and m is not getattr(model, "draft_head", None))
+    pairs = tokens * (tokens + 1) / 2
+    attention = 4 * config.head_dim * config.num_attention_heads * pairs * config.num_hidden_layers
+    return linear * tokens + attention
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -80,7 +98,14 @@ def step_runner(llm):
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1 + steps, ignore_eos=True))
         return statistics.median(times[1:])
 
+    def prefill() -> float:
+        times.clear()
+        prompt_long = [100 + i % 1000 for i in range(PREFILL_TOKENS)]
+        llm.generate([prompt_long], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        return times[0]
+
     run(4)  # warm-up
+    run.prefill = prefill
     return run
 
 
@@ -90,13 +115,13 @@ def one_thread_count(model: str, threads: int, steps: int, reps: int, names: lis
     and the fastest rep of each is the one least disturbed)."""
     from engine import LLM
 
-    engines, best, nbytes = {}, {}, {}
+    engines, best, nbytes, prefill, flops = {}, {}, {}, {}, {}
     for name in names:
         args, _ = VARIANTS[name]
         key = json.dumps(args, sort_keys=True)
         if key not in engines:
-            engines[key] = LLM(model, max_model_len=256, max_num_seqs=1, num_threads=threads,
-                               speculative_method=None, **args)
+            engines[key] = LLM(model, max_model_len=PREFILL_TOKENS + 64, max_num_seqs=1, num_threads=threads,
+                               speculative_method=None, enable_prefix_caching=False, **args)
             engines[key].timed = step_runner(engines[key])
     for _ in range(reps):
         for name in names:
@@ -108,11 +133,14 @@ def one_thread_count(model: str, threads: int, steps: int, reps: int, names: lis
             step = llm.timed(max(2, steps // 8) if way in SLOW else steps)
             best[name] = min(best.get(name, float("inf")), step)
             nbytes[name] = weight_bytes(llm.engine.runner.model)
+            prefill[name] = min(prefill.get(name, float("inf")), llm.timed.prefill())
+            flops[name] = prefill_flops(llm.engine.runner.model, llm.engine.model_config, PREFILL_TOKENS)
     load = os.getloadavg()[0]
     for llm in engines.values():
         llm.shutdown()
     return [{"variant": name, "threads": threads, "step_ms": best[name] * 1e3, "weight_mb": nbytes[name] / 1e6,
-             "gb_per_s": nbytes[name] / best[name] / 1e9, "load": load} for name in names]
+             "gb_per_s": nbytes[name] / best[name] / 1e9, "prefill_ms": prefill[name] * 1e3,
+             "gflop_per_s": flops[name] / prefill[name] / 1e9, "load": load} for name in names]
 
 
 def kernel_candidates(threads: int, layers: int = 8) -> list[dict]:
@@ -227,6 +255,18 @@ def bandwidth(threads: int, mib: int = 512) -> dict:
     return {"threads": threads, "copy_gb_per_s": 2 * nbytes / copy_s / 1e9, "read_gb_per_s": nbytes / sum_s / 1e9}
 
 
+def gemm_peak(threads: int, n: int = 2048) -> float:
+    """GFLOP/s of an fp32 n^3 GEMM, best of 5."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
 def kernel_table(rows: list[dict]) -> str:
     lines = ["| way (1 row, 8 layers' linears) | torch threads | ms | weight GB/s |", "|---|---|---|---|"]
     lines += [f"| {r['way']} | {r['threads']} | {r['ms']:.2f} | {r['gb_per_s']:.1f} |" for r in rows]
@@ -235,15 +275,20 @@ def kernel_table(rows: list[dict]) -> str:
 
 def table(rows: list[dict], probes: list[dict]) -> str:
     fp32 = {r["threads"]: r["step_ms"] for r in rows if r["variant"] == "fp32"}
+    probe = {p["threads"]: p for p in probes}
     lines = ["| weights (kernel) | torch threads | decode step (ms) | vs fp32 | weight MB read | weight GB/s | "
-             "box load (1 min) |", "|---|---|---|---|---|---|---|"]
+             "of read GB/s | prefill step (ms) | GFLOP/s | of GEMM peak | box load (1 min) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        base = fp32.get(r["threads"])
+        base, p = fp32.get(r["threads"]), probe[r["threads"]]
         ratio = f"{base / r['step_ms']:.2f}x" if base else "-"
         lines.append(f"| {r['variant']} | {r['threads']} | {r['step_ms']:.1f} | {ratio} | {r['weight_mb']:.0f} | "
-                     f"{r['gb_per_s']:.1f} | {r['load']:.1f} |")
-    lines += ["", "| torch threads | copy GB/s (read + written) | sum GB/s (read) |", "|---|---|---|"]
-    lines += [f"| {p['threads']} | {p['copy_gb_per_s']:.1f} | {p['read_gb_per_s']:.1f} |" for p in probes]
+                     f"{r['gb_per_s']:.1f} | {r['gb_per_s'] / p['read_gb_per_s']:.0%} | {r['prefill_ms']:.0f} | "
+                     f"{r['gflop_per_s']:.0f} | {r['gflop_per_s'] / p['gemm_gflop_per_s']:.0%} | {r['load']:.1f} |")
+    lines += ["", "| torch threads | copy GB/s (read + written) | sum GB/s (read) | fp32 GEMM GFLOP/s |",
+              "|---|---|---|---|"]
+    lines += [f"| {p['threads']} | {p['copy_gb_per_s']:.1f} | {p['read_gb_per_s']:.1f} | {p['gemm_gflop_per_s']:.0f} |"
+              for p in probes]
     return "\n".join(lines)
 
 
@@ -270,7 +315,8 @@ def main() -> None:
         print(rows[-len(args.variants):], flush=True)
     kernels = [row for t in args.threads for row in kernel_candidates(t)]
     rows_cross = [row for t in args.threads for row in crossover(t)]
-    text = "\n\n".join([table(rows, [bandwidth(t) for t in args.threads]), kernel_table(kernels),
+    probes = [bandwidth(t) | {"gemm_gflop_per_s": gemm_peak(t)} for t in args.threads]
+    text = "\n\n".join([table(rows, probes), kernel_table(kernels),
                          crossover_table(rows_cross)])
     print(text)
     if args.out:

@@ -12,6 +12,14 @@ a reconnect that starts during a partition waits out the whole SYN backoff. So:
   `RECONNECT_IVL_MAX_MS`: once a link comes back, the next attempt finds it within about a second.
 
 The options are harmless on ipc:// sockets (one host), so every socket gets them.
+
+And no receive high-water mark. With one, a socket whose reader is busy (a decode engine in a long
+step while P streams it a prompt's KV) stops reading its connection once that many messages wait;
+the peer's PINGs then wait unread too, the heartbeat timeout closes the healthy connection, and
+libzmq aborts the process when the pipe drains (`Assertion failed: _input_stopped`, reproduced in
+tests/test_sockets.py). What waits is bounded by each protocol instead: D pulls only the KV it
+reserved blocks for, the front end sends an engine only the requests it admitted, an engine sends
+the front end only its requests' outputs.
 """
 from __future__ import annotations
 
@@ -39,4 +47,5 @@ def harden(sock: zmq.Socket) -> zmq.Socket:
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_IDLE_S)
     sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, TCP_KEEPALIVE_INTVL_S)
     sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, TCP_KEEPALIVE_CNT)
+    sock.setsockopt(zmq.RCVHWM, 0)
     return sock

@@ -1,14 +1,15 @@
 """The OpenAI-compatible HTTP front end: `build_app(client, tokenizer, model_name, ...)`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events or
-not), GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize, and the live
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (streaming as
+server-sent events or not), GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize, and the live
 status page GET /status with its GET /status.json (server/status.py). Each route
 is a few lines over the serving layer (server/serving.py, completions.py, chat.py).
 
 Order of checks on /v1 generation routes, /tokenize and /detokenize: API key (401) -> capacity
 (429 + Retry-After) -> body size (413, before parsing) -> UTF-8 / JSON / schema (400) -> model
 name (404) -> prompt and sampling parameters (400). Bad input always ends in a 4xx with an OpenAI error body; a 500
-only ever means a bug, and is counted in `app.state.internal_errors`.
+only ever means a bug, and is counted in `app.state.internal_errors`. Every response carries an
+`x-request-id` header (server/request_ids.py).
 """
 from __future__ import annotations
 
@@ -31,11 +32,14 @@ from server.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
 from server.protocol import EngineClient
-from server.responses import DetokenizeResponse, HealthResponse, ModelCard, ModelList, TokenizeResponse
+from server.request_ids import HEADER, RequestIdMiddleware, request_id
+from server.response_bodies import DetokenizeResponse, HealthResponse, ModelCard, ModelList, TokenizeResponse
+from server.responses_api import create_response
 from server.serving import Serving
 from server.status import add_status_routes
 
@@ -56,6 +60,7 @@ def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | N
     """
     metrics = ServerMetrics(client.instances, getattr(client, "counters", None))
     serving = Serving(client, tokenizer, model_name, metrics, max_queue)
+    loaded_at = int(time.time())  # the tokenizer and engine client are in hand: /v1/models' `created`
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -70,10 +75,11 @@ def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | N
     app.state.serving = serving
     app.state.metrics = metrics
     app.state.internal_errors = 0
+    app.add_middleware(RequestIdMiddleware)
     _add_error_handlers(app)
     gate = _Gate(serving, api_key, max_body_bytes)
     _add_generation_routes(app, gate)
-    _add_other_routes(app, gate, serving, client)
+    _add_other_routes(app, gate, serving, client, loaded_at)
     add_status_routes(app, client, gate.check_auth)
     return app
 
@@ -140,9 +146,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
+        # Answered outside the middleware stack, so the x-request-id header is set here.
         app.state.internal_errors += 1
-        logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(500, "internal server error", "server_error")
+        rid = request_id(request)
+        logger.error("internal error on %s %s (request %s)", request.method, request.url.path, rid, exc_info=exc)
+        return error_response(500, "internal server error", "server_error", headers={HEADER: rid})
 
 
 def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
@@ -154,10 +162,15 @@ def _add_generation_routes(app: FastAPI, gate: _Gate) -> None:
     async def chat_completions(request: Request):
         return await gate.admit(request, ChatCompletionRequest, create_chat_completion)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await gate.admit(request, ResponsesRequest, create_response)
 
-def _add_other_routes(app: FastAPI, gate: _Gate, serving: Serving, client: EngineClient) -> None:
+
+def _add_other_routes(app: FastAPI, gate: _Gate, serving: Serving, client: EngineClient, loaded_at: int) -> None:
     def model_card() -> ModelCard:
-        return ModelCard(id=serving.model_name, root=serving.model_name, max_model_len=client.max_model_len)
+        return ModelCard(id=serving.model_name, created=loaded_at, root=serving.model_name,
+                         max_model_len=client.max_model_len)
 
     @app.get("/v1/models")
     async def list_models(request: Request):

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.types import TokenLogprobs
 from server.errors import APIError
 from server.openai_schemas import ChatCompletionRequest
-from server.responses import (
+from server.response_bodies import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -21,14 +21,14 @@ from server.responses import (
     Usage,
 )
 from server.serving import Choice, Delta, Serving, check_logprobs_count, usage
-from server.streaming import stream_response
+from server.streaming import ChunkStream, stream_response
 from server.structured import response_format_grammar
 from server.tool_calls import ToolCallParser, ToolPlan, call_deltas, finish_reason_for, parse_message, plan_tools
 
 
 async def create_chat_completion(serving: Serving, request: Request, req: ChatCompletionRequest,
                                  release: Callable[[], None], arrival: float) -> Response:
-    request_id, ids, choices, tools = _choices(serving, req, arrival)
+    request_id, ids, choices, tools = chat_choices(serving, req, arrival, serving.new_request_id("chatcmpl", request))
     streams = serving.submit(choices)
     fmt = ChatFormat(serving, req, request_id, ids, choices, tools)
     if req.stream:
@@ -37,8 +37,9 @@ async def create_chat_completion(serving: Serving, request: Request, req: ChatCo
     return JSONResponse(fmt.response(usage(choices)).body())
 
 
-def _choices(serving: Serving, req: ChatCompletionRequest,
-             arrival: float) -> tuple[str, list[int], list[Choice], ToolPlan]:
+def chat_choices(serving: Serving, req: ChatCompletionRequest, arrival: float,
+                 request_id: str) -> tuple[str, list[int], list[Choice], ToolPlan]:
+    """The request's choices (engine requests named `<request_id>-<index>`), its prompt and its tool plan."""
     stops = serving.check_common(req)
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     grammar = response_format_grammar(req.response_format)
@@ -55,21 +56,20 @@ def _choices(serving: Serving, req: ChatCompletionRequest,
     ids = serving.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                               tools.template_tools())
     serving.check_prompt(ids)
-    request_id = serving.new_request_id("chatcmpl")
     choices = [serving.new_choice(i, request_id, ids,
                                   serving.sampling_params(req, len(ids), max_tokens, logprobs, i, grammar=grammar),
                                   stops, req, arrival) for i in range(req.n)]
     return request_id, ids, choices, tools
 
 
-class ChatFormat:
+class ChatFormat(ChunkStream):
     """chat.completion objects, or chat.completion.chunk ones for a stream."""
 
     def __init__(self, serving: Serving, req: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
                  choices: list[Choice], tools: ToolPlan) -> None:
         self.serving, self.req, self.prompt_ids, self.choices = serving, req, prompt_ids, choices
         self.tools = tools
-        self.tool_parsers = {c.index: ToolCallParser() for c in choices} if tools.parses else {}
+        self.tool_parsers = {c.index: ToolCallParser(tools.forced) for c in choices} if tools.parses else {}
         self.head = dict(id=request_id, created=int(time.time()), model=serving.model_name)
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.continuous_usage = self.include_usage and req.stream_options.continuous_usage_stats
@@ -82,7 +82,7 @@ class ChatFormat:
         for c in self.choices:
             message, finish = AssistantMessage(content=c.text), c.finish_reason
             if self.tools.parses:
-                parsed = parse_message(c.text, c.finish_reason)
+                parsed = parse_message(c.text, c.finish_reason, self.tools.forced)
                 message, finish = AssistantMessage(content=parsed.content), parsed.finish_reason
                 if parsed.tool_calls:
                     message.tool_calls = parsed.tool_calls
@@ -123,14 +123,16 @@ class ChatFormat:
         return self._chunk(choice)
 
     def _tool_delta(self, c: Choice, delta: Delta) -> tuple[ChatDelta, str | None]:
-        """Content outside <tool_call> blocks as it comes; each call once its block closes."""
+        """Content outside <tool_call> blocks as it comes; each call's arguments as they are written."""
         parser = self.tool_parsers[c.index]
-        content, calls = parser.push(delta.text)
+        content, events = parser.push(delta.text)
         if delta.finish_reason is not None:
-            content += parser.finish()
+            rest, more = parser.finish()
+            content, events = content + rest, events + more
         out = ChatDelta(content=content) if content else ChatDelta()
-        if calls:
-            out.tool_calls = call_deltas(len(parser.calls) - len(calls), calls)
+        deltas = call_deltas(events)
+        if deltas:
+            out.tool_calls = deltas
         return out, finish_reason_for(parser.calls, delta.finish_reason)
 
     def usage_chunk(self, usage: Usage) -> dict:

@@ -10,15 +10,15 @@ from fastapi.responses import JSONResponse, Response
 from engine.types import TokenLogprobs
 from server.errors import APIError
 from server.openai_schemas import CompletionRequest
-from server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
+from server.response_bodies import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from server.serving import MAX_CHOICES, Choice, Delta, Serving, check_logprobs_count, usage
-from server.streaming import stream_response
+from server.streaming import ChunkStream, stream_response
 from server.structured import response_format_grammar
 
 
 async def create_completion(serving: Serving, request: Request, req: CompletionRequest,
                             release: Callable[[], None], arrival: float) -> Response:
-    request_id, choices = _choices(serving, req, arrival)
+    request_id, choices = _choices(serving, req, arrival, serving.new_request_id("cmpl", request))
     streams = serving.submit(choices)
     fmt = CompletionFormat(serving, req, request_id, choices)
     if req.stream:
@@ -28,14 +28,14 @@ async def create_completion(serving: Serving, request: Request, req: CompletionR
     return JSONResponse(fmt.response(out, usage(choices)).body())
 
 
-def _choices(serving: Serving, req: CompletionRequest, arrival: float) -> tuple[str, list[Choice]]:
+def _choices(serving: Serving, req: CompletionRequest, arrival: float,
+             request_id: str) -> tuple[str, list[Choice]]:
     stops = serving.check_common(req)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     check_logprobs_count(req.logprobs, "logprobs")
     grammar = response_format_grammar(req.response_format)
     prompts = _prompts(serving, req)
-    request_id = serving.new_request_id("cmpl")
     choices: list[Choice] = []
     for p_idx, ids in enumerate(prompts):
         for j in range(req.n):
@@ -80,7 +80,7 @@ def _concat(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> Compl
                               top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
 
 
-class CompletionFormat:
+class CompletionFormat(ChunkStream):
     """text_completion objects: the whole response, or one stream chunk at a time."""
 
     def __init__(self, serving: Serving, req: CompletionRequest, request_id: str, choices: list[Choice]) -> None:

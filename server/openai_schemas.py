@@ -149,3 +149,48 @@ class TokenizeChatRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[TokenId] = Field(..., max_length=MAX_DETOKENIZE_IDS)
+
+
+class TextFormat(_Body):
+    """The Responses API's `text.format`: `response_format` flattened (name and schema inline)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    type: StrictStr  # text | json_object | json_schema
+    name: StrictStr | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses, stateless (server/responses_input.py refuses what needs stored state)."""
+
+    model: str | None = None
+    input: StrictStr | list[dict[str, Any]] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    instructions: StrictStr | None = None
+    max_output_tokens: Int64 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[Any] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    prompt: Any = None  # a stored prompt template, by id
+    background: bool | None = None
+    top_logprobs: Int64 | None = None
+    metadata: dict[str, StrictStr] | None = None
+    user: str | None = None
+    # vLLM extensions, as on chat
+    seed: Seed | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None

@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
@@ -33,7 +32,15 @@ from server.openai_schemas import (
     CompletionRequest,
 )
 from server.protocol import EngineClient, EngineUnavailableError, GenerationChunk
-from server.responses import ChatLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage
+from server.request_ids import request_id
+from server.response_bodies import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -483,8 +490,11 @@ class Serving:
                 top_logprobs=[TopLogprob(token=tt.text(t), logprob=_finite(v), bytes=tt.bytes(t)) for t, v in lp.top]))
         return ChatLogprobs(content=content)
 
-    def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{uuid.uuid4().hex}"
+    @staticmethod
+    def new_request_id(prefix: str, request: Request) -> str:
+        """The engine request id: the route's prefix and the HTTP request's x-request-id (so logs,
+        timelines and the client's header name the same request)."""
+        return f"{prefix}-{request_id(request)}"
 
 
 @contextmanager

@@ -11,19 +11,31 @@ from fastapi.responses import StreamingResponse
 
 from engine.types import FinishReason
 from server.errors import error_body
-from server.responses import Usage
+from server.response_bodies import Usage
 from server.serving import Choice, Delta, Serving, choice_usage, sse, usage
 
 
 class StreamFormat(Protocol):
-    """How one route writes its chunks (completions and chat differ)."""
+    """How one route writes its chunks (completions, chat and responses differ)."""
 
     def preamble(self) -> list[dict]: ...
-    def on_delta(self, choice: Choice, delta: Delta) -> dict | None: ...
+    def on_delta(self, choice: Choice, delta: Delta) -> dict | list[dict] | None: ...
     def usage_chunk(self, usage: Usage) -> dict: ...
+    def encode(self, event: dict) -> str: ...
 
     include_usage: bool
     continuous_usage: bool  # stream_options.continuous_usage_stats (with include_usage)
+    end: str  # what the stream ends with after its last event
+
+
+class ChunkStream:
+    """The framing of the chat and completions streams: `data:` lines, then `data: [DONE]`."""
+
+    end = "data: [DONE]\n\n"
+
+    @staticmethod
+    def encode(event: dict) -> str:
+        return sse(event)
 
 
 class ContinuousUsage:
@@ -78,12 +90,13 @@ async def stream_response(request: Request, serving: Serving, choices: list[Choi
         counter = ContinuousUsage(choices, fmt.continuous_usage)
         try:
             for chunk in fmt.preamble():
-                yield sse(counter.stamp(chunk))
+                yield fmt.encode(counter.stamp(chunk))
             async for line in _events(events, len(choices), fmt, counter):
                 yield line
             if fmt.include_usage:
-                yield sse(fmt.usage_chunk(usage(choices)))
-            yield "data: [DONE]\n\n"
+                yield fmt.encode(fmt.usage_chunk(usage(choices)))
+            if fmt.end:
+                yield fmt.end
         finally:
             close()  # synchronous: this may run inside a cancelled scope
 
@@ -100,14 +113,16 @@ async def _events(events: asyncio.Queue, num_choices: int, fmt: StreamFormat,
             remaining -= 1
             continue
         if choice.bad_input is not None:
-            yield sse(error_body(choice.bad_input, "invalid_request_error", None, 400))
+            yield fmt.encode(error_body(choice.bad_input, "invalid_request_error", None, 400))
         elif delta.finish_reason == FinishReason.ERROR:
-            yield sse(error_body(f"generation failed: {choice.error}", "server_error", None, 500))
+            yield fmt.encode(error_body(f"generation failed: {choice.error}", "server_error", None, 500))
         else:
             counter.count(choice, delta)
-            chunk = fmt.on_delta(choice, delta)
-            if chunk is not None:
-                yield sse(counter.stamp(_with_handoff(choice, delta, chunk)))
+            out = fmt.on_delta(choice, delta)
+            chunks = [] if out is None else out if isinstance(out, list) else [out]
+            for i, chunk in enumerate(chunks):
+                last = i == len(chunks) - 1
+                yield fmt.encode(counter.stamp(_with_handoff(choice, delta, chunk) if last else chunk))
 
 
 def _with_handoff(choice: Choice, delta: Delta, chunk: dict) -> dict:

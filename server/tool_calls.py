@@ -14,12 +14,17 @@ The format is the Hermes one that Qwen2/Qwen3 chat templates teach their models:
   each with a declared name and arguments that follow that tool's `parameters` schema.
 
 One parser serves both answers: the non-streaming message is the streaming parser fed the whole
-text at once, so streamed deltas reassemble to exactly the non-streamed call.
+text at once, so streamed deltas reassemble to exactly the non-streamed call. A call's arguments
+stream in fragments as they are written (as OpenAI streams them), and are the text the model
+wrote, so the fragments join to the non-streamed arguments. A forced call that max_tokens cuts
+short is a call with the arguments written so far and `finish_reason: "length"`, never markup
+in `content`.
 """
 from __future__ import annotations
 
 import enum
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -28,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 
 from engine.types import FinishReason, GrammarKind, GrammarSpec
 from server.errors import APIError
-from server.responses import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
+from server.response_bodies import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
 from server.structured import checked_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -65,6 +70,11 @@ class ToolPlan:
     choice: ToolChoice
     tools: list[ToolDef] = field(default_factory=list)
     grammar: GrammarSpec | None = None
+
+    @property
+    def forced(self) -> bool:
+        """The grammar allows only tool-call blocks."""
+        return self.choice in (ToolChoice.REQUIRED, ToolChoice.NAMED)
 
     @property
     def parses(self) -> bool:
@@ -154,34 +164,70 @@ def _as_call(body: str) -> FunctionCall | None:
     return FunctionCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
 
 
+def _new_call(name: str, arguments: str = "") -> ToolCall:
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))
+
+
+# The head of a block up to its arguments, which then stream as they are written. It must be
+# followed by the arguments' first character, so that where the head ends cannot depend on how
+# the text was split into pieces.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
+# What may still turn out to be the block's closing brace (and the whitespace around it): held back.
+_TAIL = re.compile(r"\s*(?:\}\s*)?$")
+
+
+class CallEventKind(enum.StrEnum):
+    STARTED = "started"      # id and name are known; arguments follow
+    ARGUMENTS = "arguments"  # a fragment of the arguments' text
+    DONE = "done"            # the block closed (complete) or the generation ended inside it (not complete)
+
+
+@dataclass
+class CallEvent:
+    kind: CallEventKind
+    index: int       # the call's position among this message's calls
+    call: ToolCall   # arguments: as far as they have been streamed
+    text: str = ""   # ARGUMENTS: the new fragment
+    complete: bool = True  # DONE: False when the generation ended before the block closed
+
+
 class ToolCallParser:
     """Splits generated text into content and tool calls, incrementally.
 
     Text outside blocks is content, except a tail that may be the start of `<tool_call>` (held
-    back until it is known) and whitespace that only separates blocks (dropped). A block that does
-    not parse, or is still open when the generation ends, is content, verbatim.
+    back until it is known) and whitespace that only separates blocks (dropped). Once a block's
+    head (`{"name": ..., "arguments": `) is in, the call starts and its arguments stream as they
+    are written, as OpenAI streams them; a block without that head becomes a call when it closes,
+    if its JSON is one, and content verbatim otherwise. A call the generation cut short keeps the
+    arguments written so far (not complete). `forced` (tool_choice required or named: the grammar
+    allows only blocks): nothing unfinished is ever content, so no markup reaches `content`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, forced: bool = False) -> None:
+        self.forced = forced
         self.calls: list[ToolCall] = []
         self._buf = ""
         self._inside = False
         self._pending_ws = ""
+        self._open: ToolCall | None = None  # the call whose block is being written
+        self._args_at = 0   # where its arguments start in the block
+        self._sent = 0      # characters of its arguments streamed
 
-    def push(self, text: str) -> tuple[str, list[ToolCall]]:
+    def push(self, text: str) -> tuple[str, list[CallEvent]]:
         self._buf += text
-        content, new = "", []
+        content, events = "", []
         while True:
             if self._inside:
                 end = self._buf.find(CLOSE)
+                body = self._buf[:end] if end >= 0 else self._buf[: len(self._buf) - _partial_prefix_len(self._buf,
+                                                                                                           CLOSE)]
+                events += self._stream_args(body)
                 if end < 0:
                     break
-                body, self._buf, self._inside = self._buf[:end], self._buf[end + len(CLOSE):], False
-                call = _as_call(body.strip())
-                if call is None:
-                    content += self._content(OPEN + body + CLOSE)
-                else:
-                    new.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=call))
+                self._buf, self._inside = self._buf[end + len(CLOSE):], False
+                closed, verbatim = self._close(body)
+                events += closed
+                content += self._content(verbatim)
                 continue
             start = self._buf.find(OPEN)
             if start >= 0:
@@ -192,14 +238,57 @@ class ToolCallParser:
             content += self._content(self._buf[: len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             break
-        self.calls += new
-        return content, new
+        return content, events
 
-    def finish(self) -> str:
-        """The generation ended: whatever is held back is content."""
-        rest = (OPEN if self._inside else "") + self._buf
+    def finish(self) -> tuple[str, list[CallEvent]]:
+        """The generation ended: a call cut short is done (not complete); whatever else is held
+        back is content, unless the output was forced to be calls."""
+        rest, events = "", []
+        if self._open is not None:
+            events.append(CallEvent(CallEventKind.DONE, len(self.calls) - 1, self._open, complete=False))
+            self._open = None
+        elif not self.forced:
+            rest = (OPEN if self._inside else "") + self._buf
         self._buf, self._inside = "", False
-        return self._content(rest) if rest else ""
+        return (self._content(rest) if rest else ""), events
+
+    def _stream_args(self, body: str) -> list[CallEvent]:
+        """Start the block's call once its head is in; stream its arguments but a possible closing brace."""
+        events = []
+        if self._open is None:
+            head = _HEAD.match(body)
+            if head is None:
+                return []
+            try:
+                name = json.loads(head.group(1))
+            except json.JSONDecodeError:
+                return []
+            self._open, self._args_at, self._sent = _new_call(name), head.end(), 0
+            self.calls.append(self._open)
+            events.append(CallEvent(CallEventKind.STARTED, len(self.calls) - 1, self._open))
+        args = body[self._args_at:]
+        upto = _TAIL.search(args).start()
+        if upto > self._sent:
+            fragment, self._sent = args[self._sent:upto], upto
+            self._open.function.arguments += fragment
+            events.append(CallEvent(CallEventKind.ARGUMENTS, len(self.calls) - 1, self._open, fragment))
+        return events
+
+    def _close(self, body: str) -> tuple[list[CallEvent], str]:
+        """A block closed: its events, or the block as content when it is no call."""
+        if self._open is not None:
+            call, self._open = self._open, None
+            return [CallEvent(CallEventKind.DONE, len(self.calls) - 1, call)], ""
+        function = _as_call(body.strip())
+        if function is None:
+            return [], OPEN + body + CLOSE
+        call = _new_call(function.name)
+        self.calls.append(call)
+        index = len(self.calls) - 1
+        call.function.arguments = function.arguments
+        return [CallEvent(CallEventKind.STARTED, index, call),
+                CallEvent(CallEventKind.ARGUMENTS, index, call, function.arguments),
+                CallEvent(CallEventKind.DONE, index, call)], ""
 
     def _content(self, text: str) -> str:
         text = self._pending_ws + text
@@ -224,19 +313,32 @@ class ParsedMessage:
 
 
 def finish_reason_for(calls: list[ToolCall], finish: str | None) -> str | None:
-    """OpenAI's `tool_calls` when the model stopped after calling tools."""
+    """OpenAI's `tool_calls` when the model stopped after calling tools (a call cut short by
+    max_tokens keeps `length`)."""
     return TOOL_CALLS_FINISH if calls and finish == FinishReason.STOP else finish
 
 
-def parse_message(text: str, finish: str | None) -> ParsedMessage:
-    parser = ToolCallParser()
-    content, calls = parser.push(text)
-    content += parser.finish()
-    return ParsedMessage(content or None, calls, finish_reason_for(calls, finish))
+def parse_message(text: str, finish: str | None, forced: bool = False) -> ParsedMessage:
+    parser = ToolCallParser(forced)
+    content, _ = parser.push(text)
+    content += parser.finish()[0]
+    return ParsedMessage(content or None, parser.calls, finish_reason_for(parser.calls, finish))
 
 
-def call_deltas(first_index: int, calls: list[ToolCall]) -> list[ToolCallDelta]:
-    """Stream deltas of whole calls: id, type, name and the complete arguments in one delta each."""
-    return [ToolCallDelta(index=first_index + i, id=c.id, type="function",
-                          function=FunctionCallDelta(name=c.function.name, arguments=c.function.arguments))
-            for i, c in enumerate(calls)]
+def call_deltas(events: list[CallEvent]) -> list[ToolCallDelta]:
+    """Chat stream deltas, as OpenAI sends them: a call's first delta has its id, type, name and
+    empty arguments; the arguments follow in fragments (one delta per call per chunk)."""
+    out: list[ToolCallDelta] = []
+    for e in events:
+        if e.kind == CallEventKind.DONE:
+            continue
+        if not out or out[-1].index != e.index:
+            out.append(ToolCallDelta(index=e.index))
+        delta = out[-1]
+        if e.kind == CallEventKind.STARTED:
+            delta.id, delta.type = e.call.id, "function"
+            delta.function = FunctionCallDelta(name=e.call.function.name, arguments="")
+        else:
+            delta.function = delta.function or FunctionCallDelta(arguments="")
+            delta.function.arguments = (delta.function.arguments or "") + e.text
+    return out

@@ -282,3 +282,32 @@ def test_our_fp32_kernel_computes_the_linear(rows, in_features, out_features):
         want = x.double() @ lin.weight.double().T + lin.bias.double()
         got = lin(x)
     torch.testing.assert_close(got.double(), want, atol=1e-4 * in_features ** 0.5, rtol=1e-5)
+
+
+def test_a_recorded_choice_of_our_kernel_runs_in_a_fresh_process(tmp_path):
+    """An engine that takes the kernel from the record (no timing, so nothing of its own loaded the
+    kernel) runs it: a fresh process, as the second engine of a machine is."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from worker.models import linear as L
+
+    if not L.linear_kernels_available():
+        pytest.skip("no C++ compiler for our linear kernels")
+    record = tmp_path / "tuning.json"
+    child = (
+        "import json, sys, torch\ntorch.set_num_threads(1)\n"
+        "from worker.models import linear as L\n"
+        "lin = L.Linear(64, 32, bias=False); lin.pack(keep_weight=True)\n"
+        "L.tune_linears([lin], record=__import__('pathlib').Path(sys.argv[1]))\n"
+        "x = torch.randn(1, 64)\n"
+        "torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight), atol=1e-5, rtol=1e-5)\n"
+        "print(lin.kernel_to)\n")
+    key = "64x32 float32"
+    record.write_text(json.dumps({L._machine(): {key: {"kernel_rows": 1, "packed_first": 1}}}))
+    run = subprocess.run([sys.executable, "-c", child, str(record)], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "1"

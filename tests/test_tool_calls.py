@@ -16,7 +16,7 @@ import pytest
 from conftest import BUNDLED_MODEL
 from structured_harness import MODEL
 
-from server.tool_calls import ToolCallParser, parse_message
+from server.tool_calls import CallEventKind, ToolCallParser, parse_message
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
@@ -80,10 +80,11 @@ def test_parallel_required_calls_are_each_valid(servers):
     assert choice.finish_reason in ("tool_calls", "length")
 
 
-def _reassemble(stream) -> tuple[dict[int, dict], str, str | None]:
-    """What the OpenAI SDK's stream helpers do: join every tool-call delta by index."""
+def _reassemble(stream) -> tuple[dict[int, dict], str, str | None, int]:
+    """What the OpenAI SDK's stream helpers do: join every tool-call delta by index; also counts
+    the deltas that carried a non-empty arguments fragment."""
     calls: dict[int, dict] = {}
-    content, finish = "", None
+    content, finish, fragments = "", None, 0
     for chunk in stream:
         for c in chunk.choices:
             content += c.delta.content or ""
@@ -93,8 +94,33 @@ def _reassemble(stream) -> tuple[dict[int, dict], str, str | None]:
                 if d.function is not None:
                     entry["name"] += d.function.name or ""
                     entry["arguments"] += d.function.arguments or ""
+                    fragments += bool(d.function.arguments)
             finish = c.finish_reason or finish
-    return calls, content, finish
+    return calls, content, finish, fragments
+
+
+@pytest.mark.parametrize("config", ["pd_mtp", "colocated"])
+def test_forced_call_cut_by_max_tokens_has_no_markup(servers, config):
+    """tool_choice required, max_tokens too small for the call: finish_reason length, no
+    `<tool_call>` markup in content, streamed or not; the call keeps the arguments written so far."""
+    client = servers.client(config)
+    kwargs = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                  temperature=1.0, seed=5)
+    full = client.chat.completions.create(max_tokens=160, **kwargs)
+    assert full.choices[0].finish_reason == "tool_calls"
+    n = full.usage.completion_tokens
+    for max_tokens in (2, n // 2, n - 2):  # in the head, in the arguments, at the closing brace
+        whole = client.chat.completions.create(max_tokens=max_tokens, **kwargs).choices[0]
+        assert whole.finish_reason == "length" and whole.message.content is None, whole
+        calls, content, finish, _ = _reassemble(client.chat.completions.create(stream=True, max_tokens=max_tokens,
+                                                                                **kwargs))
+        assert finish == "length" and content == ""
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+            [(t.function.name, t.function.arguments) for t in whole.message.tool_calls or []]
+        for call in whole.message.tool_calls or []:
+            assert "tool_call>" not in call.function.arguments
+            assert full.choices[0].message.tool_calls[0].function.arguments.startswith(call.function.arguments)
+    assert calls, "the latest cut should have left a call started"
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
@@ -103,7 +129,8 @@ def test_streamed_deltas_reassemble_to_the_non_streamed_call(servers, tool_choic
     kwargs = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice=tool_choice, max_tokens=160,
                   temperature=1.0, seed=11)
     whole = client.chat.completions.create(**kwargs).choices[0]
-    calls, content, finish = _reassemble(client.chat.completions.create(stream=True, **kwargs))
+    calls, content, finish, fragments = _reassemble(client.chat.completions.create(stream=True, **kwargs))
+    assert fragments > 1, "the arguments came in one delta, not in fragments as OpenAI streams them"
     assert finish == whole.finish_reason == "tool_calls"
     assert content == (whole.message.content or "")
     assert [(c["name"], c["arguments"]) for c in calls.values()] == \
@@ -184,15 +211,51 @@ def test_parser_finds_hermes_blocks():
 
 
 def test_parser_is_split_invariant():
-    """Fed in any pieces (as a stream is), the parser gives what it gives for the whole text."""
+    """Fed in any pieces (as a stream is), the parser gives what it gives for the whole text, and
+    the streamed argument fragments of each call join to its arguments."""
     whole = parse_message(QWEN_ANSWER, "stop")
     rng = random.Random(0)
     for _ in range(50):
         cuts = sorted(rng.sample(range(1, len(QWEN_ANSWER)), rng.randint(1, 30)))
         pieces = [QWEN_ANSWER[a:b] for a, b in zip([0, *cuts], [*cuts, len(QWEN_ANSWER)])]
-        parser, content = ToolCallParser(), ""
+        parser, content, events = ToolCallParser(), "", []
         for piece in pieces:
-            content += parser.push(piece)[0]
-        content += parser.finish()
+            text, new = parser.push(piece)
+            content, events = content + text, events + new
+        rest, new = parser.finish()
+        content, events = content + rest, events + new
         assert content == whole.content
         assert [c.function for c in parser.calls] == [c.function for c in whole.tool_calls]
+        streamed = ["".join(e.text for e in events if e.index == i and e.kind == CallEventKind.ARGUMENTS)
+                    for i in range(len(parser.calls))]
+        assert streamed == [c.function.arguments for c in whole.tool_calls]
+        assert [e.kind for e in events if e.index == 0][0] == CallEventKind.STARTED
+        assert [e.kind for e in events if e.index == 0][-1] == CallEventKind.DONE
+
+
+def test_parser_streams_arguments_in_fragments():
+    """The arguments stream as they are written, not in one piece when the block closes."""
+    parser = ToolCallParser()
+    _, started = parser.push('<tool_call>\n{"name": "get_weather", "arguments": {"city": ')
+    assert [e.kind for e in started] == [CallEventKind.STARTED, CallEventKind.ARGUMENTS]
+    assert started[0].call.function.name == "get_weather" and started[1].text == '{"city":'
+    _, more = parser.push('"Rome", "days": 2}')
+    assert [(e.kind, e.text) for e in more] == [(CallEventKind.ARGUMENTS, ' "Rome", "days": 2')]
+    _, closing = parser.push("}\n</tool_call>")
+    assert [(e.kind, e.text) for e in closing] == [(CallEventKind.ARGUMENTS, "}"), (CallEventKind.DONE, "")]
+    assert parser.calls[0].function.arguments == '{"city": "Rome", "days": 2}'
+
+
+def test_parser_cut_short_call_is_no_content():
+    """A call max_tokens cut: forced, no markup is content, the call keeps what was written and
+    the finish stays `length`; a forced block cut before its head gives no call and no content."""
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    for forced in (True, False):
+        parsed = parse_message(cut, "length", forced=forced)
+        assert parsed.content is None and parsed.finish_reason == "length"
+        assert [(c.function.name, c.function.arguments) for c in parsed.tool_calls] == [("get_weather",
+                                                                                           '{"city": "Pa')]
+    for head in ('<tool_call>\n{"name": "get_w', "<tool_"):
+        parsed = parse_message(head, "length", forced=True)
+        assert parsed.content is None and not parsed.tool_calls and parsed.finish_reason == "length"
+    assert parse_message("<tool_", "length").content == "<tool_"  # auto: it may have been text

@@ -275,7 +275,8 @@ def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float
         choice = section[_key(shape)]
         kernel_rows, first = choice["kernel_rows"], choice["packed_first"]
         packed_from = TUNE_ROWS[first] if first < len(TUNE_ROWS) else TUNE_ROWS[-1] + 1
-        kernel_to = TUNE_ROWS[kernel_rows - 1] if kernel_rows else 0
+        # (A recorded choice of our kernel needs it loaded in this process too, and built here.)
+        kernel_to = TUNE_ROWS[kernel_rows - 1] if kernel_rows and linear_kernels_available() else 0
         for lin in group:
             lin.packed_from, lin.kernel_to = packed_from, kernel_to
         when = f"packed from {packed_from} rows" if first < len(TUNE_ROWS) else "never packed"

@@ -153,7 +153,7 @@ class ChatCompletionChunk(_Generation):
 class ModelCard(_Response):
     id: str
     object: Literal["model"] = "model"
-    created: int = 0
+    created: int  # when the server loaded the model
     owned_by: str = "pdserve"
     root: str
     max_model_len: int
