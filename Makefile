@@ -6,11 +6,11 @@ PYTEST_ARGS ?=
 
 .PHONY: serve test bench peers clean
 
-$(STAMP): pyproject.toml scripts/install_torch.sh
+$(STAMP): pyproject.toml requirements.lock scripts/install_torch.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	scripts/install_torch.sh $(PY)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c requirements.lock -e '.[test]'
 	@# docker-compose only validates deploy/docker-compose.yml in the tests (no Docker engine needed).
 	@# Best-effort: Debian's package where apt-get exists and we are root; the test skips without it.
 	-command -v docker-compose >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \

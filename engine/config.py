@@ -2,18 +2,19 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from engine import settings
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "pdserve-tiny"
 
 
 def default_model() -> str:
     """The bundled tiny model, found relative to the package so any working directory works."""
-    return os.environ.get("PDSERVE_MODEL", str(DEFAULT_MODEL_DIR))
+    return settings.MODEL.get() or str(DEFAULT_MODEL_DIR)
 
 
 @dataclass
@@ -120,10 +121,10 @@ class KVTransferConfig:
     # benchmarks/results/bench_pd.txt measures what it costs against raw ZMQ.
     checksum: bool = False
     # prefill: when the KV goes out (engine.types.KVTransferMode); benchmarks/results/bench_pd.txt
-    # measures the hand-off latency of both: layer-wise cuts it by 54-79% on 1.5k-token prompts.
+    # measures the hand-off latency of both: layer-wise cuts it on long prompts.
     mode: str = "layerwise"
     # prefill, layer-wise: prompts shorter than this go in one message after the prefill all the same.
-    # Each layer snapshot costs P's step a fixed ~0.3 ms, more than a short prompt's whole-transfer
+    # Each layer snapshot costs P's step a fixed amount, more than a short prompt's whole-transfer
     # hand-off saves (benchmarks/results/bench_pd.txt, section (c) and the short-prompt A/B). 0: every prompt.
     layerwise_min_tokens: int = 512
 
@@ -156,19 +157,19 @@ class EngineConfig:
     draft_dtype: str = "auto"
     # The MTP layer attends only the last this many positions (0: all of them). Positions older than
     # that need no MTP pass at all (worker/drafter.py): on a prefill engine the pass over a prompt
-    # covered every position, ~1/3 more prefill work on the bundled model, whose acceptance is the
-    # same with 32 positions as with all, and 5% lower with 16 (benchmarks/results/bench_spec.txt).
-    # 32 rather than 64 halves what MTP adds to a prefill engine's work (~10% -> ~5% of a 256-token
-    # prompt's prefill), which under load competes with decode for the same cores. Output is exact either way.
+    # covered every position, a sizeable share of the prefill work on the bundled model, whose
+    # acceptance is the same with 32 positions as with all, and lower with 16
+    # (benchmarks/results/bench_spec.txt). 32 rather than 64 halves what MTP adds to a prefill
+    # engine's work, which under load competes with decode for the same cores. Output is exact either way.
     mtp_window: int = 32
     # The tokens MTP drafts over (FR-Spec): "auto" the checkpoint's draft_vocab.json where it has one
     # (the bundled model's is the training corpus' most frequent tokens, scripts/make_draft_vocab.py),
     # "full" the whole vocabulary, or a path to such a file. Output is exact either way.
     draft_vocab: str = "auto"
     # Run the model eagerly instead of compiling its forward with torch.compile (worker/compilation.py).
-    # None: PDSERVE_ENFORCE_EAGER if set, else eager on CPU, where compiling gained -8..+10% by batch size
-    # and 1-2% on long prefills (benchmarks/results/compile.txt), nothing through the server, for ~30 s
-    # more start-up per engine (10 s with a warm cache); compiled on CUDA.
+    # None: PDSERVE_ENFORCE_EAGER if set, else eager on CPU, where compiling won or lost by batch size
+    # and gained little on long prefills, nothing through the server, for a much longer start-up per
+    # engine (benchmarks/results/compile.txt); compiled on CUDA.
     enforce_eager: bool | None = None
     # How many drafts per step: "adaptive" (0..K from measured acceptance and step cost,
     # worker/spec_policy.py) or "fixed" (always K). Applies to MTP; n-gram is always fixed.
@@ -184,8 +185,8 @@ class EngineConfig:
 
     def validate(self, model_cfg: ModelConfig) -> None:
         if self.enforce_eager is None:
-            env = os.environ.get("PDSERVE_ENFORCE_EAGER")
-            self.enforce_eager = env not in ("0", "false") if env is not None else not self.device.startswith("cuda")
+            eager = settings.ENFORCE_EAGER.get()
+            self.enforce_eager = eager if eager is not None else not self.device.startswith("cuda")
         if self.max_model_len is None:
             self.max_model_len = default_max_model_len(model_cfg)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -221,9 +222,9 @@ class EngineConfig:
 
 # -- cluster key: CURVE authentication and encryption of every engine and KV socket ----------------
 
-CLUSTER_KEY_ENV = "PDSERVE_CLUSTER_KEY"            # the cluster's CURVE secret key (z85, 40 characters)
-CLUSTER_KEY_FILE_ENV = "PDSERVE_CLUSTER_KEY_FILE"  # or a file holding it (a mounted secret)
-ALLOW_INSECURE_ENV = "PDSERVE_ALLOW_INSECURE"      # =1: bind beyond loopback without a key anyway
+CLUSTER_KEY_ENV = settings.CLUSTER_KEY.name
+CLUSTER_KEY_FILE_ENV = settings.CLUSTER_KEY_FILE.name
+ALLOW_INSECURE_ENV = settings.ALLOW_INSECURE.name
 
 
 @dataclass(frozen=True)
@@ -256,10 +257,11 @@ class ClusterKey:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> ClusterKey | None:
-        env = os.environ if environ is None else environ
-        if env.get(CLUSTER_KEY_FILE_ENV):
-            return cls.from_secret(Path(env[CLUSTER_KEY_FILE_ENV]).read_text())
-        return cls.from_secret(env[CLUSTER_KEY_ENV]) if env.get(CLUSTER_KEY_ENV) else None
+        key_file = settings.CLUSTER_KEY_FILE.get(environ)
+        if key_file:
+            return cls.from_secret(Path(key_file).read_text())
+        secret = settings.CLUSTER_KEY.get(environ)
+        return cls.from_secret(secret) if secret else None
 
     def secure_server(self, sock: Any) -> None:
         """Before bind: a CURVE server holding the cluster key."""
@@ -308,7 +310,7 @@ def check_bind(addr: str, key: ClusterKey | None, what: str) -> None:
     if key is not None or not addr.startswith("tcp://"):
         return
     host = addr[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-    if host in ("127.0.0.1", "localhost", "::1") or os.environ.get(ALLOW_INSECURE_ENV) == "1":
+    if host in ("127.0.0.1", "localhost", "::1") or settings.ALLOW_INSECURE.get():
         return
     raise ValueError(f"{what}: refusing to bind {addr} without a cluster key: anyone who reaches it could pose as "
                      f"an engine. Set {CLUSTER_KEY_FILE_ENV} (or {CLUSTER_KEY_ENV}; make one with `pdserve keygen "

@@ -12,12 +12,14 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.grammar import check_refs
 from engine.request import Request
-from engine.types import SamplingParams
+from engine.types import GrammarSpec, SamplingParams
 from engine.validation import check_prompt, check_resumed_outputs, check_token_ids
 from kv_transfer.connector import KVConnector
 from scheduler.block_manager import BlockManager
@@ -81,6 +83,7 @@ class EngineCore:
     def set_kv_connector(self, connector: KVConnector) -> None:
         """Before the first request: the connector of this engine's role."""
         self.connector = self.scheduler.connector = connector
+        connector.step_seconds = self.scheduler.step_cost.predict
         self.runner.proposes_drafts = not connector.hands_off
         if connector.taps_layers:  # prefill: attention reports each layer's KV writes to the connector
             self.runner.kv_tap = KVTap(self.runner.kv_cache, self.config.block_size, connector.tap_target,
@@ -117,28 +120,38 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
         check_token_ids(params.stop_token_ids, self.model_config.vocab_size, "stop_token_ids")
-        if params.grammar is not None:  # compiled (and cached) here, off the step: a bad one is refused
-            try:
-                self.runner.grammar.compiler.compile(params.grammar)
-            except ValueError as exc:
-                raise ValueError(f"sampling_params.grammar: {exc}") from None
+
+    def compile_grammar(self, spec: GrammarSpec) -> Any:
+        """`spec` compiled against this engine's vocabulary (cached by spec); a ValueError naming the
+        field when it cannot be. Safe from any thread: an engine process calls it from its grammar
+        thread (engine/grammar_prep.py), never from a step."""
+        try:
+            check_refs(spec)
+            return self.runner.grammar.compiler.compile(spec)
+        except ValueError as exc:
+            raise ValueError(f"sampling_params.grammar: {exc}") from None
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, req_id: str | None = None,
                     prefill_endpoint: str = "", transfer_id: str = "",
-                    output_token_ids: list[int] | None = None) -> str:
+                    output_token_ids: list[int] | None = None, grammar: Any = None) -> str:
         """Validate and queue; `prefill_endpoint` (decode role) is where the prompt's KV comes from,
         `transfer_id` (PD) names this attempt's KV transfer. `output_token_ids`: a resumed request's
-        tokens already streamed to the client (failover); generation goes on after them."""
+        tokens already streamed to the client (failover); generation goes on after them. `grammar`:
+        `params.grammar` compiled (`compile_grammar`); without it a grammar is compiled here, on the
+        caller's thread (the offline API and tests; an engine process compiles beforehand)."""
         self.validate_prompt(prompt_token_ids, params)
         outputs = list(output_token_ids or [])
         check_resumed_outputs(outputs, len(prompt_token_ids), params.max_tokens, self.model_config.vocab_size,
                               self.config.max_model_len)
+        if params.grammar is not None and grammar is None:
+            grammar = self.compile_grammar(params.grammar)
         req_id = req_id or uuid.uuid4().hex
         if req_id in self.scheduler.requests:
             raise ValueError(f"request_id {req_id!r} is already in use")
         request = Request(req_id, list(prompt_token_ids), params, self.model_config.eos_token_ids,
                           output_token_ids=outputs)
         request.kv_transfer_id = transfer_id
+        request.grammar = grammar
         self.connector.on_new_request(request, prefill_endpoint)
         try:
             self.scheduler.add_request(request)

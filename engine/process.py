@@ -16,13 +16,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import zmq
 
 from engine import messages as msg
+from engine import settings
 from engine.config import ClusterKey, EngineConfig, KVTransferConfig
 from engine.core import EngineCore
+from engine.grammar_prep import GrammarPrep
 from engine.link import HEARTBEAT_S, FrontEndLink
 from engine.loop_watch import LoopWatch
 from engine.types import EngineRole, FinishReason
@@ -57,6 +60,7 @@ class EngineProcess:
         self.connector = get_kv_connector(self.role, self.zmq, runner.kv_cache, compat, name,
                                           self.core.block_manager.free_blocks, kv_config, cluster_key)
         self.core.set_kv_connector(self.connector)
+        self.grammar_prep = GrammarPrep(self.core.compile_grammar)  # grammars compile off the loop
         self.stopping = False
         self.failed: str | None = None   # why the loop gave up (the process then exits non-zero)
         self.busy_loop_s = 0.0
@@ -64,7 +68,7 @@ class EngineProcess:
         self._status = self._engine_status()
         self._status_at = time.monotonic()
         # Fault-injection knob for tests and drills: slow every step down (seconds).
-        self.step_delay = float(os.environ.get("PDSERVE_DEBUG_STEP_DELAY", "0"))
+        self.step_delay = settings.DEBUG_STEP_DELAY.get()
         self.fault_exit = FaultExitOnPrompt.from_env()
         # The link to the front end runs in a thread of its own (engine/link.py): it heart-beats
         # while a step runs, and the loop never blocks on the front end. Engines connect to the
@@ -136,19 +140,42 @@ class EngineProcess:
             if isinstance(message, msg.Submit):
                 self._submit(message)
             elif isinstance(message, msg.Abort):
-                self.core.abort_request(message.req_id, message.transfer_id or None)
+                if self.grammar_prep.drop(message.req_id, message.transfer_id or None) is None:
+                    self.core.abort_request(message.req_id, message.transfer_id or None)
             elif isinstance(message, msg.Shutdown):
                 self.stopping = True
+        for ready in self.grammar_prep.ready():
+            if ready.error is not None:
+                self._fail(ready.item, ready.error)
+            else:
+                self._add(ready.item, ready.grammar)
 
     def _submit(self, sub: msg.Submit) -> None:
+        """A request with a grammar waits for it to compile (engine/grammar_prep.py) before it is
+        queued; what can be checked without compiling is checked at once."""
         if self.fault_exit is not None:
             self.fault_exit.watch(sub.req_id, sub.prompt_token_ids)
+        if sub.params.grammar is None:
+            self._add(sub, None)
+            return
+        try:
+            self.core.validate_prompt(sub.prompt_token_ids, sub.params)
+        except ValueError as e:
+            self._fail(sub, str(e))
+            return
+        if (error := self.grammar_prep.start(sub.req_id, sub.params.grammar, sub, sub.transfer_id)) is not None:
+            self._fail(sub, error)
+
+    def _add(self, sub: msg.Submit, grammar: Any) -> None:
         try:
             self.core.add_request(sub.prompt_token_ids, sub.params, sub.req_id, sub.prefill_endpoint,
-                                  sub.transfer_id, sub.output_token_ids)
+                                  sub.transfer_id, sub.output_token_ids, grammar=grammar)
         except ValueError as e:
-            self._emit(msg.Output(self.name, sub.req_id, [], finish_reason=FinishReason.ERROR, error=str(e),
-                                  transfer_id=sub.transfer_id))
+            self._fail(sub, str(e))
+
+    def _fail(self, sub: msg.Submit, error: str) -> None:
+        self._emit(msg.Output(self.name, sub.req_id, [], finish_reason=FinishReason.ERROR, error=error,
+                              transfer_id=sub.transfer_id))
 
     def _refuse(self, data: bytes, error: Exception) -> None:
         """A message that does not decode: answer a Submit (its id is readable) with an error."""
@@ -201,7 +228,9 @@ class EngineProcess:
             if logger.isEnabledFor(logging.DEBUG):  # PDSERVE_LOG_LEVEL=DEBUG: the policy's cost tables
                 logger.debug("spec policy: %s", self.core.runner.spec_policy.summary())
         return msg.Heartbeat(self.name, self.role, self.connector.kv_endpoint, stats.kv_blocks_free,
-                             stats.kv_blocks_total, stats.num_running, stats.num_waiting, counters, per_position)
+                             stats.kv_blocks_total, stats.num_running,
+                             stats.num_waiting + len(self.grammar_prep),  # waiting for their grammar count too
+                             counters, per_position)
 
     def _time_counters(self) -> dict[str, float]:
         """Where a step's time goes: the loop turn, the engine step inside it, the runner inside that."""
@@ -210,6 +239,7 @@ class EngineProcess:
                 "engine_step_seconds_total": times.step_s, "engine_forward_seconds_total": times.forward_s}
 
     def close(self) -> None:
+        self.grammar_prep.close()
         self.link.close()
         self.connector.close()
         self.zmq.term()
@@ -228,7 +258,7 @@ class FaultExitOnPrompt:
 
     @classmethod
     def from_env(cls) -> FaultExitOnPrompt | None:
-        raw = os.environ.get("PDSERVE_FAULT_EXIT_ON_PROMPT", "").strip()
+        raw = settings.FAULT_EXIT_ON_PROMPT.get()
         return cls([int(t) for t in raw.split(",")]) if raw else None
 
     def watch(self, req_id: str, prompt: list[int]) -> None:
@@ -249,7 +279,7 @@ def run_engine_process(role: str, config: EngineConfig, name: str, server_addr: 
 
     `on_engine` sees the engine once its model is loaded, before the loop starts (the
     `--health-port` endpoint attaches itself there)."""
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=settings.LOG_LEVEL.get(),
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     engine = EngineProcess(role, config, name, server_addr, **kv)
     if on_engine is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.types import FinishReason, SamplingParams, TokenLogprobs
 
@@ -49,6 +49,9 @@ class Request:
     # decode role: the target's hidden states of the prompt's last positions that came with its KV
     # (for the MTP drafter, which has no KV of its own for them), until the request enters a slot.
     handoff_hidden: torch.Tensor | None = None
+    # The compiled grammar of sampling_params.grammar (an xgrammar CompiledGrammar), compiled before
+    # the request was queued: admission to a slot, inside a step, must not compile.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)

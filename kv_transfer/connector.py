@@ -59,6 +59,11 @@ class KVConnector:
     taps_layers = False    # the runner reports each layer's KV writes (tap_target, on_layer)
     hands_off = False      # every request leaves after its first token (t0): this engine never verifies drafts
 
+    def step_seconds(self, tokens: int) -> float | None:
+        """What the engine predicts a step of `tokens` tokens costs (EngineCore points this at its
+        scheduler's StepCost.predict); None: unknown."""
+        return None
+
     def on_new_request(self, request: Request, prefill_endpoint: str) -> None:
         """Mark what the request needs from KV transfer, before the scheduler sees it."""
 
@@ -110,6 +115,11 @@ class KVConnector:
         pass
 
 
+# A prefill step predicted at least this long streams its prompts' layers whatever their length:
+# the next step, which a whole transfer waits out, costs more than the layer snapshots would.
+LAYERWISE_MIN_STEP_S = 0.25
+
+
 class PrefillConnector(KVConnector):
     """Taps layers in both modes: the end of the last KV layer's forward over a prompt is what the
     hand-off latency (D's kv_transfer_handoff_seconds) is measured from."""
@@ -137,10 +147,18 @@ class PrefillConnector(KVConnector):
         return request.num_handoff_tokens if request is not None else None
 
     def snapshots(self, req_id: str) -> bool:
-        """Whether this request's KV goes out layer by layer (else whole, once its prefill is over)."""
+        """Whether this request's KV goes out layer by layer (else whole, once its prefill is over):
+        prompts of at least layerwise_min_tokens, and any prompt whose step this engine predicts
+        to be long. Sent whole, a prompt's KV leaves when the engine thread next handles D's pull,
+        after the step that follows its prefill: on a model whose steps take seconds that wait is
+        the hand-off, while the snapshots cost the step a fixed amount per layer."""
         request = self.prefilling.get(req_id)
-        return (request is not None and self.layerwise_min_tokens is not None
-                and request.num_handoff_tokens >= self.layerwise_min_tokens)
+        if request is None or self.layerwise_min_tokens is None:
+            return False
+        if request.num_handoff_tokens >= self.layerwise_min_tokens:
+            return True
+        predicted = self.step_seconds(request.num_handoff_tokens)
+        return predicted is not None and predicted >= LAYERWISE_MIN_STEP_S
 
     def on_layer(self, req_id: str, layer: int, start: int, end: int, kv: torch.Tensor,
                  ready: torch.cuda.Event | None) -> None:

@@ -3,7 +3,7 @@ Plain data, nothing else."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.types import SamplingParams, TokenLogprobs
 
@@ -25,6 +25,7 @@ class NewRequestData:
     # A PD handoff from a prefill engine that did not run the MTP layer: the target's hidden states
     # of the last positions before num_computed_tokens, which the MTP drafter runs it over instead.
     handoff_hidden: torch.Tensor | None = None
+    grammar: Any = None  # Request.grammar: sampling_params.grammar, compiled
 
 
 @dataclass

@@ -260,7 +260,7 @@ class Scheduler:
                 req_id=request.req_id, prompt_len=request.prompt_len, all_token_ids=list(request.all_token_ids),
                 num_computed_tokens=num_computed, block_ids=list(request.block_ids),
                 sampling_params=request.sampling_params, compute_prompt_logprobs=request.computes_prompt_logprobs,
-                handoff_hidden=request.handoff_hidden if num_computed else None))
+                handoff_hidden=request.handoff_hidden if num_computed else None, grammar=request.grammar))
             request.handoff_hidden = None  # once: a preempted request computes its prompt here
             out.num_scheduled_tokens[request.req_id] = num_new
             self._step_prefill_tokens += num_new if num_uncomputed > 1 else 0

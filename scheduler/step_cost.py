@@ -22,24 +22,34 @@ WINDOW = 64
 class StepCost:
     def __init__(self, window: int = WINDOW) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
-        self._break_even: int | None = None
+        self._fitted: tuple[float, float] | None = None  # (fixed, per_token) seconds
 
     def record(self, tokens: int, seconds: float) -> None:
         """One step that scheduled `tokens` tokens and took `seconds`, schedule to update."""
         if tokens > 0:
             self._samples.append((tokens, seconds))
-            self._break_even = self._fit()
+            self._fitted = self._fit()
 
     def reset(self) -> None:
         self._samples.clear()
-        self._break_even = None
+        self._fitted = None
 
     def shared_prefill_tokens(self) -> int | None:
         """The most tokens a prompt may have left to prefill to join a step that prefills others
         (fixed / per_token); None while the steps seen cannot tell the two parts apart."""
-        return self._break_even
+        if self._fitted is None:
+            return None
+        fixed, per_token = self._fitted
+        return round(fixed / per_token)
 
-    def _fit(self) -> int | None:
+    def predict(self, tokens: int) -> float | None:
+        """Seconds a step of `tokens` tokens should take; None while the fit is unknown."""
+        if self._fitted is None:
+            return None
+        fixed, per_token = self._fitted
+        return fixed + per_token * tokens
+
+    def _fit(self) -> tuple[float, float] | None:
         """Least squares over the window. Needs steps of clearly different sizes (the largest at
         least twice the smallest): with one size, fixed and per-token cost are indistinguishable."""
         samples = self._samples
@@ -53,5 +63,4 @@ class StepCost:
         per_token = sum((t - mean_t) * (s - mean_s) for t, s in samples) / var
         if per_token <= 0:  # noise swamped the tokens' cost: no evidence either way
             return None
-        fixed = max(0.0, mean_s - per_token * mean_t)
-        return round(fixed / per_token)
+        return max(0.0, mean_s - per_token * mean_t), per_token

@@ -1,10 +1,10 @@
 """tcmalloc for engine processes, where the system has it (as vLLM's CPU worker asks for).
 
 glibc's malloc hands every large tensor (a prefill's activations: megabytes each) back to the OS on
-free and takes it again, zero-filled page by page, on the next step: a 1536-token prefill of the
-bundled model spent ~14 ms of ~150 in page faults inside SiLU and the GEMMs (a torch profile). tcmalloc
-keeps freed memory for reuse: 1.04x and 1.15x faster prefill in two runs of benchmarks/bench_prefill.py
-(results/prefill.txt). It has to be
+free and takes it again, zero-filled page by page, on the next step: a long prefill of the bundled
+model spends a visible share of its time in page faults inside SiLU and the GEMMs (a torch profile).
+tcmalloc keeps freed memory for reuse and makes prefill faster (benchmarks/bench_prefill.py,
+benchmarks/results/prefill.txt). It has to be
 preloaded before the process starts, so `pdserve serve` sets it in its engines' environment and a
 standalone engine (`pdserve prefill|decode|colocated`, one per container) re-executes itself once
 with it. PDSERVE_MALLOC=system keeps glibc's.
@@ -16,6 +16,8 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
+
+from engine import settings
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +33,7 @@ def engine_env(env: Mapping[str, str], find: Callable[[str], str | None] = ctype
     """`env` with tcmalloc in LD_PRELOAD (ahead of what is there), unless PDSERVE_MALLOC=system,
     it is there already, or the system has none."""
     out = dict(env)
-    lib = None if env.get("PDSERVE_MALLOC", "auto") == "system" else find_tcmalloc(find)
+    lib = None if settings.MALLOC.get(env) == "system" else find_tcmalloc(find)
     preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
     if lib is None or any("tcmalloc" in p for p in preload):
         return out

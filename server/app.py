@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.grammar import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.errors import DEFAULT_MAX_BODY_BYTES, APIError, error_response, parse_json, parse_model, read_body
@@ -50,16 +51,18 @@ DEFAULT_MAX_QUEUE = 512
 
 def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | None = None,
               max_queue: int = DEFAULT_MAX_QUEUE, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              manage_client: bool = True) -> FastAPI:
+              manage_client: bool = True, grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S,
+              max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> FastAPI:
     """The FastAPI app serving `client`.
 
     `tokenizer`: a transformers tokenizer, or None (token-id prompts only). `api_key`: when set,
     /v1/* needs `Authorization: Bearer <key>`. `max_queue`: generation requests in flight beyond
     which new ones get 429. `manage_client`: start the client on startup (always, idempotently
-    for LocalEngineClient) and stop it on shutdown (only when True).
+    for the tests' in-process client) and stop it on shutdown (only when True). `grammar_timeout_s`,
+    `max_grammar_bytes`: the budget of one structured-output grammar (server/grammar_pool.py).
     """
     metrics = ServerMetrics(client.instances, getattr(client, "counters", None))
-    serving = Serving(client, tokenizer, model_name, metrics, max_queue)
+    serving = Serving(client, tokenizer, model_name, metrics, max_queue, grammar_timeout_s, max_grammar_bytes)
     loaded_at = int(time.time())  # the tokenizer and engine client are in hand: /v1/models' `created`
 
     @asynccontextmanager
@@ -68,6 +71,7 @@ def build_app(client: EngineClient, tokenizer, model_name: str, api_key: str | N
         try:
             yield
         finally:
+            serving.close()
             if manage_client:
                 await client.stop()
 
@@ -199,11 +203,11 @@ def _add_other_routes(app: FastAPI, gate: _Gate, serving: Serving, client: Engin
             if "messages" in data:
                 chat: TokenizeChatRequest = parse_model(TokenizeChatRequest, data)
                 serving.check_model(chat.model)
-                ids = serving.render_chat(chat.messages, chat.add_generation_prompt, chat.continue_final_message)
+                ids = await serving.render_chat(chat.messages, chat.add_generation_prompt, chat.continue_final_message)
             else:
                 plain: TokenizeCompletionRequest = parse_model(TokenizeCompletionRequest, data)
                 serving.check_model(plain.model)
-                ids = serving.encode(plain.prompt, plain.add_special_tokens)
+                ids = await serving.encode(plain.prompt, plain.add_special_tokens)
             return TokenizeResponse(count=len(ids), max_model_len=client.max_model_len, tokens=ids,
                                     token_strs=serving.token_strs(ids)).body()
 

@@ -22,13 +22,14 @@ from server.response_bodies import (
 )
 from server.serving import Choice, Delta, Serving, check_logprobs_count, usage
 from server.streaming import ChunkStream, stream_response
-from server.structured import response_format_grammar
+from server.structured import checked_response_format, response_format_grammar
 from server.tool_calls import ToolCallParser, ToolPlan, call_deltas, finish_reason_for, parse_message, plan_tools
 
 
 async def create_chat_completion(serving: Serving, request: Request, req: ChatCompletionRequest,
                                  release: Callable[[], None], arrival: float) -> Response:
-    request_id, ids, choices, tools = chat_choices(serving, req, arrival, serving.new_request_id("chatcmpl", request))
+    request_id = serving.new_request_id("chatcmpl", request)
+    request_id, ids, choices, tools = await chat_choices(serving, req, arrival, request_id)
     streams = serving.submit(choices)
     fmt = ChatFormat(serving, req, request_id, ids, choices, tools)
     if req.stream:
@@ -37,8 +38,8 @@ async def create_chat_completion(serving: Serving, request: Request, req: ChatCo
     return JSONResponse(fmt.response(usage(choices)).body())
 
 
-def chat_choices(serving: Serving, req: ChatCompletionRequest, arrival: float,
-                 request_id: str) -> tuple[str, list[int], list[Choice], ToolPlan]:
+async def chat_choices(serving: Serving, req: ChatCompletionRequest, arrival: float,
+                       request_id: str) -> tuple[str, list[int], list[Choice], ToolPlan]:
     """The request's choices (engine requests named `<request_id>-<index>`), its prompt and its tool plan."""
     stops = serving.check_common(req)
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
@@ -47,14 +48,16 @@ def chat_choices(serving: Serving, req: ChatCompletionRequest, arrival: float,
         if grammar is not None:
             raise APIError(400, "response_format: cannot be combined with tool_choice 'required' or a named "
                                 "function", param="response_format")
-        grammar = tools.grammar
+        grammar = tools.grammar = await serving.grammars.check(tools.grammar, "tools")
+    else:
+        grammar = await checked_response_format(serving.grammars, grammar)
     check_logprobs_count(req.top_logprobs, "top_logprobs")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    ids = serving.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                              tools.template_tools())
+    ids = await serving.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                    tools.template_tools())
     serving.check_prompt(ids)
     choices = [serving.new_choice(i, request_id, ids,
                                   serving.sampling_params(req, len(ids), max_tokens, logprobs, i, grammar=grammar),

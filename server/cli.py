@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from engine import settings
 from engine.config import (
     CLUSTER_KEY_FILE_ENV,
     ClusterKey,
@@ -33,6 +34,7 @@ from engine.config import (
     default_max_model_len,
     default_model,
 )
+from engine.grammar import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from engine.types import EngineRole, KVTransferMode, ServeMode
 from server.allocator import engine_env, reexec_with_tcmalloc
 from server.supervisor import Supervisor
@@ -54,9 +56,9 @@ ENGINE_FLAGS = [
     ("--device", str, "cpu", "cpu | cuda"),
     ("--seed", int, 0, "default sampling seed"),
     ("--speculative-method", str, "auto", "mtp | ngram | none | auto (mtp when the model has MTP layers)"),
-    # 2, as the engine's default: with the bundled model's distilled MTP layer a third draft never paid at
-    # batch 1 offline (fixed K=3 1.43x against K=2 1.57x at T=1), and the server's noisy step timings
-    # had the adaptive policy pick it on most batch-1 steps in some runs (1.21x where k=2 gave 1.38x).
+    # 2, as the engine's default: with the bundled model's distilled MTP layer a third draft does not pay
+    # at batch 1 (fixed K=3 is slower than K=2, benchmarks/results/bench_spec.txt), and allowing it lets
+    # the server's noisy step timings lead the adaptive policy to pick it where K=2 is faster.
     ("--num-speculative-tokens", int, EngineConfig.num_speculative_tokens,
      "draft tokens per step (the most, under --spec-policy adaptive)"),
     ("--spec-policy", str, "adaptive", "adaptive (0..K drafts per step from measured acceptance and cost) | fixed"),
@@ -70,7 +72,7 @@ ENGINE_FLAGS = [
 
 
 def _env(flag: str) -> str:
-    return "PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+    return settings.flag_env_name(flag)
 
 
 KV_MODE_HELP = ("layerwise | after-prefill: push each layer's KV as the prefill writes it, or all of it after "
@@ -79,13 +81,13 @@ KV_MIN_HELP = "layer-wise mode: prompts shorter than this go in one message afte
 
 
 def add_flag(p: argparse.ArgumentParser, flag: str, typ, default, help_: str) -> None:
-    env = os.environ.get(_env(flag))
+    env = settings.flag_env(flag)
     p.add_argument(flag, type=typ, default=typ(env) if env is not None else default, help=f"{help_} [{_env(flag)}]")
 
 
 def add_switch(p: argparse.ArgumentParser, flag: str, help_: str) -> None:
     """An on/off flag, also on when its environment variable is 1/true/yes."""
-    env = os.environ.get(_env(flag), "").lower() in ("1", "true", "yes")
+    env = (settings.flag_env(flag) or "").lower() in ("1", "true", "yes")
     p.add_argument(flag, action="store_true", default=env, help=f"{help_} [{_env(flag)}=1]")
 
 
@@ -98,10 +100,10 @@ def add_kv_payload_flags(p: argparse.ArgumentParser, who: str, checksum_help: st
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     for flag, typ, default, help_ in ENGINE_FLAGS:
         add_flag(p, flag, typ, default, help_)
-    env = os.environ.get("PDSERVE_ENABLE_PREFIX_CACHING")
+    env = settings.flag_env("--enable-prefix-caching")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=(env not in ("0", "false")) if env is not None else True,
-                   help="[PDSERVE_ENABLE_PREFIX_CACHING]")
+                   default=settings.truthy(env) if env is not None else True,
+                   help=f"[{_env('--enable-prefix-caching')}]")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="run the model eagerly instead of compiling it with torch.compile (default: eager on CPU, "
                         "compiled on CUDA) [PDSERVE_ENFORCE_EAGER]")
@@ -178,7 +180,8 @@ def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str, cluster_k
                                 stall_dead_after_s=args.stall_dead_after_s, cluster_key=cluster_key,
                                 extra_counters=extra_counters)
     app = build_app(client, load_tokenizer(model), args.served_model_name or Path(model).name,
-                    api_key=args.api_key or None)
+                    api_key=args.api_key or None, grammar_timeout_s=args.grammar_timeout_s,
+                    max_grammar_bytes=args.max_grammar_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
     asyncio.run(uvicorn.Server(config).serve())
 
@@ -342,6 +345,10 @@ def add_front_end_flags(p: argparse.ArgumentParser) -> None:
              "many times (0: off; the stream then ends with an error)")
     add_flag(p, "--resume-wait-s", float, 20.0, "failover: wait this long for a live instance of a role a "
              "failed request needs, then end its stream with an error")
+    add_flag(p, "--grammar-timeout-s", float, DEFAULT_GRAMMAR_TIMEOUT_S, "structured output: a grammar (JSON schema, "
+             "tool call) that does not compile within this long is refused with a 400 (compiled off the event loop)")
+    add_flag(p, "--max-grammar-bytes", int, DEFAULT_MAX_GRAMMAR_BYTES, "structured output: a larger grammar is "
+             "refused with a 400 before it is compiled")
     add_flag(p, "--local-prefill-above", int, 1024, "PD: prefill a request on its decode instance when the "
              "prefill instance already has more than this many prompt tokens queued (0: always on prefill)")
 
@@ -425,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     # Must be set before torch starts OpenMP, i.e. before anything imports torch.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = parse_args(argv)
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=settings.LOG_LEVEL.get(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.func is cmd_engine and argv is None:  # a standalone engine process (not called in-process)
         reexec_with_tcmalloc()

@@ -13,12 +13,12 @@ from server.openai_schemas import CompletionRequest
 from server.response_bodies import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from server.serving import MAX_CHOICES, Choice, Delta, Serving, check_logprobs_count, usage
 from server.streaming import ChunkStream, stream_response
-from server.structured import response_format_grammar
+from server.structured import checked_response_format, response_format_grammar
 
 
 async def create_completion(serving: Serving, request: Request, req: CompletionRequest,
                             release: Callable[[], None], arrival: float) -> Response:
-    request_id, choices = _choices(serving, req, arrival, serving.new_request_id("cmpl", request))
+    request_id, choices = await _choices(serving, req, arrival, serving.new_request_id("cmpl", request))
     streams = serving.submit(choices)
     fmt = CompletionFormat(serving, req, request_id, choices)
     if req.stream:
@@ -28,14 +28,14 @@ async def create_completion(serving: Serving, request: Request, req: CompletionR
     return JSONResponse(fmt.response(out, usage(choices)).body())
 
 
-def _choices(serving: Serving, req: CompletionRequest, arrival: float,
-             request_id: str) -> tuple[str, list[Choice]]:
+async def _choices(serving: Serving, req: CompletionRequest, arrival: float,
+                   request_id: str) -> tuple[str, list[Choice]]:
     stops = serving.check_common(req)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     check_logprobs_count(req.logprobs, "logprobs")
-    grammar = response_format_grammar(req.response_format)
-    prompts = _prompts(serving, req)
+    grammar = await checked_response_format(serving.grammars, response_format_grammar(req.response_format))
+    prompts = await _prompts(serving, req)
     choices: list[Choice] = []
     for p_idx, ids in enumerate(prompts):
         for j in range(req.n):
@@ -51,7 +51,7 @@ def _choices(serving: Serving, req: CompletionRequest, arrival: float,
     return request_id, choices
 
 
-def _prompts(serving: Serving, req: CompletionRequest) -> list[list[int]]:
+async def _prompts(serving: Serving, req: CompletionRequest) -> list[list[int]]:
     """The request's prompts as token ids: a string, a list of strings, ids, or a list of id lists."""
     p = req.prompt
     if isinstance(p, str):
@@ -67,7 +67,7 @@ def _prompts(serving: Serving, req: CompletionRequest) -> list[list[int]]:
     out = []
     for i, item in enumerate(raw):
         param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
-        ids = serving.encode(item, req.add_special_tokens, param) if isinstance(item, str) else list(item)
+        ids = await serving.encode(item, req.add_special_tokens, param) if isinstance(item, str) else list(item)
         serving.check_prompt(ids, param)
         out.append(ids)
     return out

@@ -155,7 +155,10 @@ class EngineRouter:
                     self._forward()
                 if self.monitor is not None and self.monitor in events:
                     self._read_monitor()
-                self._judge(time.monotonic())
+                # Judged as of the turn's start, whose gap since the last turn was just checked: a
+                # pause inside this turn is seen (and forgiven) at the next turn's start, not taken
+                # here for the engines' silence.
+                self._judge(now)
         finally:
             if self.monitor is not None:
                 self.router.disable_monitor()

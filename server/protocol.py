@@ -48,7 +48,8 @@ class InstanceInfo:
 
 
 class EngineClient(Protocol):
-    """Implemented by server.local_client.LocalEngineClient (in-process) and the PD router client."""
+    """Implemented by the PD router client (server/pd_client.py) and, in tests, an in-process one
+    (tests/local_client.py)."""
 
     max_model_len: int
     vocab_size: int

@@ -27,7 +27,8 @@ async def create_response(serving: Serving, request: Request, req: ResponsesRequ
                           release: Callable[[], None], arrival: float) -> Response:
     chat = chat_request(req)
     with responses_params():
-        request_id, _, choices, tools = chat_choices(serving, chat, arrival, serving.new_request_id("resp", request))
+        request_id = serving.new_request_id("resp", request)
+        request_id, _, choices, tools = await chat_choices(serving, chat, arrival, request_id)
     streams = serving.submit(choices)
     fmt = ResponsesFormat(serving, req, chat, request_id, choices[0], tools)
     if req.stream:

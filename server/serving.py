@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from engine.grammar import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from engine.types import MAX_LOGPROBS, FinishReason, GrammarSpec, SamplingParams, TokenLogprobs
 from engine.validation import InputError, check_prompt, check_token_ids, resolve_max_tokens
 from server.chat_template import UnsafeChatInput, render_chat_ids
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenTexts
 from server.errors import APIError, bad_request
+from server.grammar_pool import GrammarChecker
 from server.metrics import ServerMetrics
 from server.openai_schemas import (
     MAX_STOP_STRINGS,
@@ -31,6 +33,7 @@ from server.openai_schemas import (
     ChatMessage,
     CompletionRequest,
 )
+from server.prompt_pool import PromptPool
 from server.protocol import EngineClient, EngineUnavailableError, GenerationChunk
 from server.request_ids import request_id
 from server.response_bodies import (
@@ -154,10 +157,15 @@ class Choice:
 
 class Serving:
     def __init__(self, client: EngineClient, tokenizer, model_name: str, metrics: ServerMetrics,
-                 max_queue: int) -> None:
+                 max_queue: int, grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S,
+                 max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
+        # CPU work that must not run on the event loop: compiling grammars, tokenizing prompts.
+        self.grammars = GrammarChecker(getattr(tokenizer, "name_or_path", None), client.vocab_size,
+                                       client.eos_token_ids, timeout_s=grammar_timeout_s, max_bytes=max_grammar_bytes)
+        self.prompts = PromptPool(tokenizer, client.max_model_len)
         self.metrics = metrics
         self.max_queue = max_queue
         self.in_flight = 0
@@ -194,9 +202,14 @@ class Serving:
             raise APIError(400, f"{param}: this model has no tokenizer, so {what} is not supported; "
                                 "send token ids", param=param)
 
-    def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+    def close(self) -> None:
+        self.grammars.close()
+        self.prompts.close()
+
+    async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         self._need_tokenizer("text input", param)
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        self.prompts.check_length(len(text), param)
+        return await self.prompts.run(lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -221,8 +234,8 @@ class Serving:
         with input_errors():
             check_prompt(ids, self.client.vocab_size, self.client.max_model_len, param)
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    continue_final_message: bool, tools: list[dict] | None = None) -> list[int]:
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          continue_final_message: bool, tools: list[dict] | None = None) -> list[int]:
         self._need_tokenizer("chat", "messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
@@ -247,9 +260,11 @@ class Serving:
                 if getattr(m, key) is not None:
                     msg[key] = getattr(m, key)
             conversation.append(msg)
+        self.prompts.check_length(sum(len(m["content"]) for m in conversation), "messages")
         try:  # (special-token text in the client's strings stays text: server/chat_template.py)
-            return render_chat_ids(self.tokenizer, conversation, tools, add_generation_prompt=add_generation_prompt,
-                                   continue_final_message=continue_final_message)
+            return await self.prompts.run(render_chat_ids, self.tokenizer, conversation, tools,
+                                          add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message)
         except UnsafeChatInput as exc:
             raise APIError(400, str(exc), param=exc.path) from None
         except Exception as exc:  # template errors (bad roles, flag combinations) are input errors

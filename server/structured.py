@@ -1,26 +1,20 @@
-"""`response_format` -> the engine's GrammarSpec, checked here so that a schema the grammar engine
-cannot compile is a 400 naming it (the engine compiles the same spec again, cached)."""
+"""`response_format` -> the engine's GrammarSpec. Whether the grammar engine can compile it, in
+budget, is checked off the event loop (server/grammar_pool.py); a bad one is a 400 naming it."""
 from __future__ import annotations
 
 import json
 
-from engine.grammar import check_grammar
 from engine.types import GrammarKind, GrammarSpec
 from server.errors import APIError
+from server.grammar_pool import GrammarChecker
 from server.openai_schemas import ResponseFormat
 
-
-def checked_grammar(spec: GrammarSpec, param: str) -> GrammarSpec:
-    try:
-        check_grammar(spec)
-    except ValueError as exc:
-        raise APIError(400, f"{param}: {exc}", param=param) from None
-    return spec
+SCHEMA_PARAM = "response_format.json_schema.schema"
 
 
 def response_format_grammar(rf: ResponseFormat | None) -> GrammarSpec | None:
     """None for plain text; json_object and json_schema (strict or not: the output always follows
-    the schema) become grammars."""
+    the schema) become grammars, not yet checked (`checked_response_format`)."""
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
@@ -32,5 +26,10 @@ def response_format_grammar(rf: ResponseFormat | None) -> GrammarSpec | None:
         raise APIError(400, "response_format.json_schema.schema is required for type 'json_schema'",
                        param="response_format.json_schema")
     # Key order is kept: the grammar emits properties in the schema's order.
-    text = json.dumps(rf.json_schema.schema_, ensure_ascii=False)
-    return checked_grammar(GrammarSpec(GrammarKind.JSON_SCHEMA, text), "response_format.json_schema.schema")
+    return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(rf.json_schema.schema_, ensure_ascii=False))
+
+
+async def checked_response_format(grammars: GrammarChecker, spec: GrammarSpec | None) -> GrammarSpec | None:
+    if spec is None:
+        return None
+    return await grammars.check(spec, SCHEMA_PARAM if spec.kind == GrammarKind.JSON_SCHEMA else "response_format")

@@ -34,7 +34,6 @@ from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 from engine.types import FinishReason, GrammarKind, GrammarSpec
 from server.errors import APIError
 from server.response_bodies import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
-from server.structured import checked_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 TOOL_CALLS_FINISH = "tool_calls"
@@ -94,7 +93,7 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool) -> Too
     if choice in (ToolChoice.REQUIRED, ToolChoice.NAMED):
         chosen = [t for t in defs if named is None or t.function.name == named]
         one = choice == ToolChoice.NAMED or not parallel
-        plan.grammar = checked_grammar(_grammar(chosen, one), "tools")
+        plan.grammar = _grammar(chosen, one)  # checked by the caller, off the event loop (as "tools")
     return plan
 
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 from pd_harness import ThreadedEngines, client_for, wait_until
@@ -21,6 +22,7 @@ from server.app import build_app
 class HTTPServed:
     url: str
     engines: dict[str, EngineProcess]  # by instance name: "colocated-0", or "prefill-0" and "decode-0"
+    app: Any  # the FastAPI app (its state: app.state.serving)
 
     def hit_blocks(self, name: str) -> int:
         """Prefix-cache hits (blocks) the instance has handed out so far."""
@@ -28,8 +30,10 @@ class HTTPServed:
 
 
 @contextmanager
-def served(tmp: Path, mode: str, tokenizer, model_name: str, **config) -> Iterator[HTTPServed]:
-    """`mode` "pd" or "colocated"; `config`: EngineConfig fields for every engine."""
+def served(tmp: Path, mode: str, tokenizer, model_name: str, app_options: dict | None = None,
+           **config) -> Iterator[HTTPServed]:
+    """`mode` "pd" or "colocated"; `app_options`: build_app's keyword arguments; `config`:
+    EngineConfig fields for every engine."""
     engines = ThreadedEngines(tmp)
     roles = ("prefill", "decode") if mode == "pd" else ("colocated",)
     for role in roles:
@@ -37,11 +41,11 @@ def served(tmp: Path, mode: str, tokenizer, model_name: str, **config) -> Iterat
     engines.start()
     client = client_for(engines.server_addr, config["model"], mode, config["max_model_len"])
     try:
-        with ServerThread(build_app(client, tokenizer, model_name)) as server:
+        with ServerThread(build_app(client, tokenizer, model_name, **(app_options or {}))) as server:
             def ready() -> bool:
                 return httpx.get(f"{server.url}/health", timeout=2).status_code == 200
             wait_until(ready, 60, "the engines to register", interval=0.1)
-            yield HTTPServed(server.url, engines.procs)
+            yield HTTPServed(server.url, engines.procs, server.app)
             assert server.app.state.internal_errors == 0
     finally:
         engines.stop()

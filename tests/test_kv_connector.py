@@ -106,3 +106,24 @@ def test_blocks_kept_by_the_connector_are_not_freed_by_the_scheduler():
     # For the client the request goes on elsewhere: t0 is sent, with no finish reason.
     assert [(u.new_token_ids, u.finish_reason) for u in updates] == [([42], None)]
     assert blocks.num_free_blocks == 8 - blocks.blocks_needed(6) and request.block_ids == []
+
+
+def test_prompts_whose_steps_are_long_stream_their_layers_whatever_their_length():
+    """Below layerwise_min_tokens a prompt's KV goes whole, after its prefill -- unless the engine
+    predicts its step to be long (a large model), where waiting for the next step would be the
+    hand-off."""
+    from kv_transfer.connector import LAYERWISE_MIN_STEP_S, PrefillConnector
+
+    class Sender:
+        def supersede(self, req_id, transfer_id):
+            pass
+
+    conn = PrefillConnector(Sender(), "", layerwise_min_tokens=512)  # type: ignore[arg-type]
+    for name, length in (("short", 200), ("long", 600)):
+        conn.on_new_request(Request(name, [1] * length, SamplingParams(max_tokens=4), []), "")
+    assert not conn.snapshots("short") and conn.snapshots("long")  # nothing predicted yet
+    conn.step_seconds = lambda tokens: tokens * 1e-5  # a small model: 2 ms
+    assert not conn.snapshots("short")
+    conn.step_seconds = lambda tokens: LAYERWISE_MIN_STEP_S + tokens * 0.01  # a large one
+    assert conn.snapshots("short") and not conn.snapshots("unknown")
+    assert not PrefillConnector(Sender(), "", layerwise_min_tokens=None).snapshots("short")  # type: ignore[arg-type]

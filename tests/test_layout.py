@@ -7,6 +7,10 @@ TYPE_CHECKING): a lazy import is still a dependency.
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -14,15 +18,15 @@ PACKAGES = ("engine", "scheduler", "worker", "kv_transfer", "server", "benchmark
 
 # The modules of engine/ that the lower layers may use: plain data and configuration, which
 # import nothing of ours but each other.
-ENGINE_LEAVES = ("engine.types", "engine.config", "engine.request", "engine.sockets")
-LEAF_IMPORTS = {"engine.types": set(), "engine.config": set(), "engine.request": {"engine.types"},
-                "engine.sockets": set()}
+ENGINE_LEAVES = ("engine.types", "engine.config", "engine.request", "engine.sockets", "engine.settings")
+LEAF_IMPORTS = {"engine.types": set(), "engine.config": {"engine.settings"}, "engine.request": {"engine.types"},
+                "engine.sockets": set(), "engine.settings": set()}
 
 # What each package may import of ours (a name allows that module and everything under it).
 MAY_IMPORT = {
     "engine": ("engine", "scheduler", "worker", "kv_transfer"),                # never server/ (HTTP) or benchmarks/
     "scheduler": ("scheduler", *ENGINE_LEAVES, "kv_transfer.connector"),       # the connector is typing only
-    "worker": ("worker", "engine.types", "engine.config", "scheduler.output"),  # the step contract (§3.1)
+    "worker": ("worker", "engine.types", "engine.config", "engine.settings", "scheduler.output"),  # the step contract
     "kv_transfer": ("kv_transfer", *ENGINE_LEAVES),
     "server": ("server", "engine"),
 }
@@ -126,3 +130,90 @@ def test_functions_are_short():
                     if lines > MAX_FUNCTION_LINES:
                         long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {lines} lines")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+PRODUCT = ("engine", "scheduler", "worker", "kv_transfer", "server")
+ENTRY_POINTS = {"server.cli"}  # pyproject's `pdserve` script
+
+
+def test_no_product_module_is_there_only_for_the_tests():
+    """Every product module is imported by another product module or a benchmark (or is an entry
+    point): what only tests use lives in tests/."""
+    graph = import_graph()
+    used = {dep for name, deps in graph.items() for dep in deps if name.split(".")[0] in PACKAGES}
+    # `from pkg import sub` of a package's own __init__ counts for the package too
+    used |= {dep.rsplit(".", 1)[0] for dep in used}
+    unused = [name for name in graph if name.split(".")[0] in PRODUCT and name not in used
+              and name not in ENTRY_POINTS and name not in PRODUCT]
+    assert not unused, f"product modules nothing of the product imports: {unused}"
+
+
+SETTINGS_MODULE = "engine/settings.py"
+PDSERVE_NAME = re.compile(r"^PDSERVE_[A-Z0-9_]*$")
+
+
+def test_only_the_settings_module_names_pdserve_variables():
+    """Every PDSERVE_* variable is declared once, in engine/settings.py; other product modules read
+    it through that module (a string constant naming one, or a prefix to build one, anywhere else
+    means a second, undeclared reader)."""
+    bad = []
+    for pkg in PRODUCT:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            if path.relative_to(REPO).as_posix() == SETTINGS_MODULE:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and PDSERVE_NAME.match(node.value):
+                    bad.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value!r}")
+    assert not bad, "PDSERVE_* names outside engine/settings.py:\n" + "\n".join(bad)
+
+
+# A measured figure in a comment or docstring: a number followed by a time (ms, us, µs), a ratio
+# (%, x) or a rate (GB/s, MB/s, tok/s). Such numbers belong in benchmarks/results/; a comment says
+# why the code is as it is and points there. Design constants ("a 256-row chunk") carry no unit and pass.
+MEASUREMENT = re.compile(r"(?<![\w.])\d+(\.\d+)?\s?(ms|us|µs|%|x|GB/s|MB/s|tok/s)(?![\w/])")
+
+
+def python_comments(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, text) of every `#` comment and every docstring line (module, class, function)."""
+    source = path.read_text()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                first = node.body[0].lineno
+                yield from ((first + i, line) for i, line in enumerate(doc.splitlines()))
+
+
+def cpp_comments(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, text) of every `//` comment of a C++ source."""
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if "//" in line:
+            yield number, line[line.index("//"):]
+
+
+def comments_of(path: Path) -> Iterator[tuple[int, str]]:
+    if path.suffix == ".py":
+        return python_comments(path)
+    if path.suffix in (".cpp", ".h"):
+        return cpp_comments(path)
+    return iter(())
+
+
+def test_measurement_pattern_tells_measurements_from_constants():
+    for measured in ("~0.3 ms a layer", "1.8-3.1x faster", "costs 54%", "25 us a row", "10-25 GB/s",
+                     "2 µs", "1500 tok/s"):
+        assert MEASUREMENT.search(measured), measured
+    for constant in ("a 256-row chunk", "MAX_FUNCTION_LINES = 60", "PDSERVE_X=1", "0x1F", "v1.2 ops",
+                     "see https://example.org/2x/"):
+        assert not MEASUREMENT.search(constant), constant
+
+
+def test_product_comments_carry_no_measurements():
+    found = [f"{path.relative_to(REPO)}:{number}: {text.strip()}"
+             for pkg in PRODUCT for path in sorted((REPO / pkg).rglob("*"))
+             for number, text in comments_of(path) if MEASUREMENT.search(text)]
+    assert not found, ("comments or docstrings with a measured time or ratio (say why, and point to "
+                       "benchmarks/results/ for the numbers):\n" + "\n".join(found))

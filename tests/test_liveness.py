@@ -331,3 +331,46 @@ def test_serve_restarts_an_engine_killed_under_load_and_its_streams_complete(tmp
         assert decode_pid() not in (None, victim) and front.instances()["decode-0"]["ready"]
     finally:
         stop_serve(serve)
+
+
+def test_a_front_end_starved_inside_a_turn_declares_no_engine_dead(tmp_path):
+    """The router thread descheduled between reading an engine's heartbeats and judging them (the
+    box at a load of dozens): the silence it sees then is its own, and its next turn forgives it,
+    as it forgives a pause between turns."""
+    import asyncio
+
+    import zmq
+
+    from engine import messages as msg
+    from engine.types import EngineRole
+    from server.engine_router import EngineRouter
+
+    async def scenario() -> int:
+        router = EngineRouter(f"ipc://{tmp_path}/fe", None, dead_after_s=0.5, stall_dead_after_s=900,
+                              on_outputs=lambda arrivals: None)
+        real_read, starved = router._read, []
+
+        def read(now):
+            real_read(now)
+            if router.table and not starved:  # the first turn that read a heartbeat stalls
+                starved.append(now)
+                time.sleep(1.5)
+
+        router._read = read
+        router.start()
+        engine = zmq.Context.instance().socket(zmq.DEALER)
+        engine.setsockopt(zmq.IDENTITY, b"decode-0")
+        engine.setsockopt(zmq.LINGER, 0)
+        engine.connect(f"ipc://{tmp_path}/fe")
+        beat = msg.Heartbeat("decode-0", EngineRole.DECODE, "", 1, 1, 0, 0, {})
+        try:
+            for _ in range(40):  # every 0.1 s for 4 s, across the starved turn
+                engine.send(msg.encode(beat))
+                await asyncio.sleep(0.1)
+            assert starved, "the router never read a heartbeat"
+            return router.deaths
+        finally:
+            engine.close(0)
+            router.stop()
+
+    assert asyncio.run(scenario()) == 0

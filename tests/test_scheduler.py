@@ -140,3 +140,9 @@ def test_a_chunked_prompt_keeps_its_chunks_coming(budget):
         steps += 1
         assert steps < 100
     assert sched.requests["big"].num_computed_tokens >= 1000
+
+
+def test_the_fit_predicts_a_steps_seconds():
+    cost = fitted(fixed_s=0.1, per_token_s=0.01)
+    assert abs(cost.predict(200) - 2.1) < 1e-9
+    assert StepCost().predict(200) is None

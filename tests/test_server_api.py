@@ -18,6 +18,7 @@ import pytest
 from conftest import make_checkpoint
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from local_client import LocalEngineClient
 from pd_harness import wait_until
 from test_detokenizer import make_tokenizer
 
@@ -25,7 +26,6 @@ from engine.config import EngineConfig
 from engine.types import SamplingParams
 from server.app import build_app
 from server.detokenizer import IncrementalDetokenizer
-from server.local_client import LocalEngineClient
 from server.protocol import EngineUnavailableError, GenerationChunk, InstanceInfo
 
 MODEL = "tiny"

@@ -10,10 +10,10 @@ import openai
 import pytest
 from conftest import BUNDLED_MODEL
 from http_harness import served
+from local_client import LocalEngineClient
 
 from engine.config import EngineConfig
 from engine.types import SamplingParams
-from server.local_client import LocalEngineClient
 
 MODEL = "pdserve-tiny"
 BLOCK = 16

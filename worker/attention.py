@@ -20,7 +20,6 @@ op instead, which finds the step's context through `forward_context` (as vLLM's 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,19 +28,20 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine import settings
 from worker.input_batch import StepLayout
 
 PAGED_MAX_QUERY = 16
 # A chunk after a cached prefix attends the prefix and its own tokens in two SDPA calls merged by
-# log-sum-exp (below) from this many queries on: measured on 1 core, 952 queries after 548 cached
-# 21.7 -> 16.5 ms a layer, 512 after 1000 12.2 -> 10.4 ms; below ~256 the second call and the merge
-# cost more than the masked call's wasted half (100 after 150: 497 vs 548 us).
+# log-sum-exp (below) from this many queries on: one masked call over prefix and chunk also computes
+# the masked half of the chunk's scores against itself, which the split saves on long chunks; on short
+# ones the second call and the merge cost more than that wasted half (measured on one core).
 SPLIT_MIN_QUERY = 256
 
 
 def default_backend(device: torch.device) -> str:
     """"cpp", "triton" or "torch" (the reference), from PDSERVE_ATTENTION (auto|cpp|triton|torch)."""
-    choice = os.environ.get("PDSERVE_ATTENTION", "auto")
+    choice = settings.ATTENTION.get()
     if choice != "auto":
         return choice
     if device.type == "cuda":

@@ -49,8 +49,8 @@ class MTPDrafter:
     `window` (EngineConfig.mtp_window): the layer attends only the last `window` positions. The
     MTP KV of a position depends on that position alone (h_i and x_{i+1}), so positions that no
     later draft will attend need no pass at all: a prompt's pass covers only its last `window`
-    positions (on a prefill engine that is the MTP layer's share of every prefill, ~1/3 of it on
-    the bundled model at 256 tokens), and a full stash drops its oldest positions instead of
+    positions (on a prefill engine that is the MTP layer's share of every prefill, a sizeable one
+    on the bundled model), and a full stash drops its oldest positions instead of
     flushing them. Drafts need no exactness: this trades draft quality, measured unchanged on the
     bundled model at 32 and more (benchmarks/results/bench_spec.txt), for speed.
     """
@@ -259,7 +259,7 @@ class MTPDrafter:
         stash only when the general path is about to read or write it (_materialize). Under load
         the policy holds k=0 for long runs of steps, and by the time drafting resumes most of those
         positions have left the window and are never copied at all; the copy itself (cold stash
-        memory) cost ~1% of a batch-16 step."""
+        memory) is a small share of a big batch's step."""
         pending = self.states.mtp_pending
         at = pending[batch.slots]
         if (at >= self.stash_positions).any():

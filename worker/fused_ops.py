@@ -3,7 +3,7 @@ the same library holds the C++ token-bookkeeping kernels that worker/kernels.py 
 
 A decode step on a CPU is a few rows, so the decoder layer's elementwise work costs what its
 dispatches cost: RMSNorm alone is seven torch ops. And torch's CPU argmax over the vocabulary
-tracks its index element by element (~110 us for 16 rows of 4096, against ~12 us vectorised).
+tracks its index element by element, several times slower than a vectorised pass.
 For fp32 CPU tensors in eager mode each function here is one C++ op doing the same arithmetic in
 one pass (bf16 too for RMSNorm); otherwise (another dtype or device, a torch.compile trace --
 Inductor fuses these itself --, `PDSERVE_FUSED_OPS=0`, or no compiler to build with) it runs the
@@ -17,11 +17,10 @@ gives token 0 (argmax and the draws alike). So a sampled id is always in [0, voc
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from engine import settings
 from worker import cpp_build
 
 # Strict IEEE arithmetic: no reassociation, no contracted multiply-adds (see the source's header).
@@ -34,7 +33,7 @@ _FLT_MAX = torch.finfo(torch.float32).max
 def enable() -> bool:
     """Build (or load) the C++ ops unless PDSERVE_FUSED_OPS=0; whether they are in use."""
     global _enabled
-    if not _enabled and os.environ.get("PDSERVE_FUSED_OPS", "1") not in ("0", "false"):
+    if not _enabled and settings.FUSED_OPS.get():
         _enabled = cpp_build.build("fused_ops.cpp", CFLAGS, "fused elementwise ops")
     return _enabled
 

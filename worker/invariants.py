@@ -6,10 +6,11 @@ invariant, the slot and the request.
 """
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from engine import settings
 
 if TYPE_CHECKING:
     from scheduler.output import SchedulerOutput
@@ -21,7 +22,7 @@ class InvariantViolation(AssertionError):
 
 
 def enabled() -> bool:
-    return os.environ.get("PDSERVE_DEBUG_INVARIANTS", "0") not in ("", "0", "false")
+    return settings.DEBUG_INVARIANTS.get()
 
 
 def _fail(rule: str, states: RequestStates, slot: int, what: str) -> None:

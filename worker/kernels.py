@@ -42,10 +42,10 @@ never write into another row or slot.
 """
 
 import logging
-import os
 
 import torch
 
+from engine import settings
 from worker import fused_ops
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,6 @@ __all__ = [
     "post_step_update_cpp",
 ]
 
-_USE_TRITON_ENV = "PDSERVE_USE_TRITON"
 _warned_no_triton = False
 
 
@@ -92,11 +91,11 @@ def select_backend(*tensors: torch.Tensor) -> str:
     (cheap) so tests and operators can flip it without re-importing the module.
     """
     global _warned_no_triton
-    flag = os.environ.get(_USE_TRITON_ENV, "").strip()
+    forced = settings.USE_TRITON.get()
     cpp = "cpp" if fused_ops.ints_on_cpu(*tensors) else "torch"
-    if flag == "0":
+    if forced is False:
         return cpp
-    wants_triton = flag == "1" or any(t.is_cuda for t in tensors)
+    wants_triton = forced is True or any(t.is_cuda for t in tensors)
     if not wants_triton:
         return cpp
     if not HAS_TRITON:

@@ -172,8 +172,8 @@ def draft_weights_only(draft_dtype: str | None, dtype: str, device: str) -> bool
     """Whether a bfloat16 drafter keeps fp32 arithmetic and only its weights in bf16 (for a float32
     target on a CPU): the weight bytes a few-row draft step reads from memory are what its time goes
     to, and bf16 arithmetic gains nothing there -- emulated where the CPU has no bf16 math (slower
-    than fp32), and where it has, oneDNN's bf16 GEMM costs ~30 us a call at a few rows, 1.5-3x the
-    bf16-weight kernel (benchmarks/results/bf16_linear.txt)."""
+    than fp32), and where it has, oneDNN's bf16 GEMM pays a fixed cost a call that makes it slower
+    than the bf16-weight kernel at a few rows (benchmarks/results/bf16_linear.txt)."""
     return draft_dtype == "bfloat16" and dtype == "float32" and device == "cpu" and bf16_linear_available()
 
 

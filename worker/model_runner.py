@@ -108,7 +108,7 @@ class ModelRunner:
         self.kv_tap: KVTap | None = None  # set by a prefill engine in PD (layer-wise KV push)
         # False on a prefill engine in PD: its requests leave after t0, so it runs the MTP layer over
         # the prompts (their MTP KV is handed over) but never drafts, and its steps neither consult
-        # the policy nor count in the chosen-k metric (they made up ~10% of it under load).
+        # the policy nor count in the chosen-k metric (under load they would skew it toward k=0).
         self.proposes_drafts = True
 
     # -- one step ------------------------------------------------------------------------
@@ -180,7 +180,7 @@ class ModelRunner:
             self.kv_tap.forget([*sched.finished_req_ids, *sched.preempted_req_ids])
         for new in sched.new_requests:
             slot = st.add_request(new)
-            self.grammar.admit(slot, new.sampling_params.grammar, new.all_token_ids[new.prompt_len:])
+            self.grammar.admit(slot, new.sampling_params.grammar, new.all_token_ids[new.prompt_len:], new.grammar)
             if self.check_invariants:
                 invariants.check_admission(st, slot)
             if new.handoff_hidden is not None and isinstance(self.drafter, MTPDrafter):
@@ -212,7 +212,7 @@ class ModelRunner:
         """Tokens each row keeps this step: one sampled token, or verified drafts plus a bonus."""
         if batch.steady and self._plain_greedy(batch.slots):
             # Every row decodes one token by plain argmax: what the general path below computes
-            # for such a batch, without its bookkeeping (~10% of a small batch's step).
+            # for such a batch, without its bookkeeping, which is a visible share of a small batch's step.
             self._sampled_step = False
             tokens = fused_ops.argmax(self.model.compute_logits(hidden).float()).tolist()
             return [[t] for t in tokens], None
@@ -237,7 +237,7 @@ class ModelRunner:
         drafts = [row[:n] for row, n in zip(table, k.tolist())]
         # Rows whose drafts were drawn independently go to the standard rejection sampler with their
         # q; the others are verified by matching the target's own (keyed) samples. Most steps are all
-        # one or the other, and skip the split (its small array ops were ~5% of a batch-1 verify step).
+        # one or the other, and skip the split (its small array ops are not free at batch 1).
         independent = self.states.draft_has_probs[slots] & (k > 0)
         self._sampled_step = False
         if independent.all():
@@ -311,7 +311,7 @@ class ModelRunner:
         """One token per row from softmax(logits / T), by inverse CDF with one uniform each from the
         default generator: what the general path draws for such rows (Sampler.sample_from_probs),
         as one C++ pass -- fused_ops.rejection_verify with no drafts, whose final draw is that one --
-        instead of the per-position metadata and ~15 torch ops: a 16-row step's logits and draw 0.57 ms against 0.77."""
+        instead of the per-position metadata and ~15 torch ops, whose dispatch dominates at a few rows."""
         st, dev, n = self.states, self.device, len(slots)
         logits = self.model.compute_logits(hidden).float()
         temps = torch.tensor([st.sampling_params[s].temperature for s in slots.tolist()], dtype=torch.float32)
@@ -373,7 +373,7 @@ class ModelRunner:
         Keyed noise is for a seeded request (its tokens must not depend on where they are sampled)
         and for a drafted position (a coupled draft is drawn with the noise its verifier uses).
         Elsewhere an unseeded request draws from the engine's default generator: one uniform per row
-        (Sampler.sample_from_probs), where V keyed uniforms were ~40% of the sampling of a batch-16
+        (Sampler.sample_from_probs), where V keyed uniforms would dominate the sampling of a big
         step, and most steps under load draft nothing."""
         st, dev = self.states, self.device
         slot_list, index_list = slots.tolist(), out_index.tolist()

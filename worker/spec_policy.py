@@ -22,7 +22,7 @@ Acceptance is only observed while drafting; a k=0 regime keeps its
 old estimate until the next exploration (which does not back off while that estimate rests on few drafts).
 A k that the estimates at hand (a neighbouring bucket's cost ratio, today's
 acceptance) say loses clearly to k=0 is neither warmed up nor re-measured at a bucket, except rarely: at a big batch
-each measured step costs 2-4x a plain one, plus the MTP layer's backfill over the positions skipped meanwhile.
+each measured step costs several plain ones, plus the MTP layer's backfill over the positions skipped meanwhile.
 For the same reason re-measurements back off while they keep confirming the decision, a due one -- and a warm-up
 too -- waits for a moment with few skipped positions (new rows, a stash flush), and a bucket whose neighbour has
 measured k already warms k up with one measurement of its own. Resuming drafting while much backfill is pending
@@ -56,9 +56,9 @@ def paired_ratio(timed_k: list[tuple[float, int]], timed_0: list[tuple[float, in
     """C(k)/C(0) from (seconds, batch size) steps of k and of k=0 timed in one bucket: batch size by
     batch size where both were timed at one, else per row. A bucket spans up to a third more rows
     (12..15), and under load the batch moves within it during a measurement: a verify step's cost
-    grows with its rows where a plain one's hardly does (at T=1: k=2 10.1 ms at 12 rows, 12.8 at
-    15; k=0 5.0-5.6), so k=2 steps at 12 rows against k=0 steps at 15 had measured k=2 at 1.8x
-    where it costs 2.3x, and the policy drafted k=2 on a fifth of the steps of serving rounds."""
+    grows with its rows where a plain one's hardly does, so k steps at the bucket's low end against
+    k=0 steps at its high end would make k look cheaper than it is and have the policy draft where
+    drafting loses (benchmarks/results/spec_serving.md)."""
     common = {n for _, n in timed_k} & {n for _, n in timed_0}
     if common:
         return statistics.median(statistics.median(t for t, n in timed_k if n == rows)
@@ -126,10 +126,9 @@ class Exploration:
     """k held for a few steps, compared with k=0 steps right next to it: on a machine whose speed
     drifts (other processes come and go) the ratio of the two compares like with like. The k=0 steps
     are those just before when there are (a k=0 regime), else k=0 held right after, past the
-    `settle_steps` that follow drafting: on this CPU the plain steps right after drafting run up to
-    ~15% slower (the forward and the sampler alike, for ~25 ms: the heavier steps' after-effects),
-    and timing those made k look cheaper than it is (at batch 4, T=1: k=3 at 1.76x a plain step
-    where it costs 2.05x when held)."""
+    `settle_steps` that follow drafting: on a CPU the plain steps right after drafting run slower
+    for a while (the forward and the sampler alike: the heavier steps' after-effects on the caches),
+    and timing those would make k look cheaper than it is when held."""
 
     bucket: BucketKey
     k: int
@@ -142,7 +141,8 @@ class Exploration:
 @dataclass
 class Held:
     """A k=0 decision kept for a few decisions of its bucket without re-evaluating the estimates
-    (which cost ~1% of a big batch's step), unless the re-measurement it was waiting for falls due."""
+    (whose cost is not negligible on a big batch's step), unless the re-measurement it was waiting
+    for falls due."""
 
     bucket: BucketKey
     until: int                        # the bucket's decision counter up to which it holds
@@ -208,7 +208,7 @@ class SpecPolicy:
             est, n = self.acceptance[i], len(seen)
             if not est.count and i:
                 # The prior of a later position: the one before it (conditional acceptance varies
-                # little along the chain: 0.52 0.54 0.55 at temperature 1 on the bundled model, K=3).
+                # little along the chain on the bundled model, benchmarks/results/bench_spec.txt).
                 est.value = self.acceptance[i - 1].value
             # A plain mean of everything seen, the prior counted as `prior_drafts` of them, until
             # there are 1/alpha observations (the first few drafts must not count for more than they
@@ -296,7 +296,7 @@ class SpecPolicy:
         stale = min(plausible, key=lambda k: costs.last_measured[k])
         if len(plausible) > 2 and estimates[0] is not None and not self.best_k(bucket, estimates):
             # Not drafting wins: only the k that comes closest is re-measured on schedule (at a big
-            # batch each measurement costs a few steps at 2-3x a plain one, plus the backfill and the
+            # batch each measurement costs a few steps at several times a plain one, plus the backfill and the
             # slow plain steps after it); the others go with the implausible ones, rarely.
             rates = self._rates(estimates)
             stale = max((k for k in plausible if k), key=rates.__getitem__)
@@ -342,10 +342,10 @@ class SpecPolicy:
 
     def _plausible(self, bucket: BucketKey) -> list[int]:
         """The k that could win at `bucket`. Measuring k costs a few steps at k (a big batch on a CPU
-        pays 2-4x a plain step for each) plus the MTP layer's backfill over every row's skipped
+        pays several plain steps for each) plus the MTP layer's backfill over every row's skipped
         positions: a k that the estimates we have (a neighbour's cost ratio, today's acceptance) say
         loses clearly is not measured, and re-measured only rarely, in case the acceptance changed
-        while nobody drafted. Only a neighbour within 2x in batch size counts for that (batch 1's
+        while nobody drafted. Only a neighbour within a factor of 2 in batch size counts for that (batch 1's
         costs say nothing of batch 16's)."""
         near = self.cost_estimates(bucket, near=True)
         return [k for k in range(self.num_spec + 1) if self._may_win(k, near)]
@@ -412,7 +412,7 @@ class SpecPolicy:
 
     def _interval(self, costs: BucketCosts) -> int:
         """Decisions between re-measurements: early and often while the estimates rest on few
-        samples, then every explore_every, doubling (up to 8x) while re-measurements keep confirming
+        samples, then every explore_every, doubling (at most three times) while re-measurements keep confirming
         the decision (at a batch where drafting is near break-even each one costs a backfill
         transition and changes nothing)."""
         if self.acceptance[0].count < self.thin_acceptance:
@@ -465,9 +465,9 @@ class SpecPolicy:
         """`get` of `bucket` itself, else interpolated linearly in batch size between the nearest
         smaller and larger buckets of the same kind of step that have it, else the nearest bucket's.
         A step's cost and its ratios C(k)/C(0) grow with the rows, so a batch draining through 4 rows
-        that took batch 1's C(2)/C(0) (1.37 at T=1 through the server) judged k=2 1.5x better than k=0,
-        where at 4 rows it costs 1.8x a plain step (the buckets a batch only passes through have no
-        measurements of their own)."""
+        that took batch 1's C(2)/C(0) would judge k=2 cheaper than it is at 4 rows and draft where it
+        loses (the buckets a batch only passes through have no measurements of their own;
+        benchmarks/results/spec_serving.md)."""
         own = self.buckets.get(bucket)
         if own is not None and (value := get(own)) is not None:
             return value

@@ -1,9 +1,9 @@
 """Structured output: per-slot grammar matchers (xgrammar) and the token masks they give the sampler.
 
 Why xgrammar: benchmarks/bench_grammar_mask.py measures the per-token mask on this CPU (bundled
-vocabulary, 1 thread): filling the bitmask of a JSON-schema matcher costs a median 2.2 us (p99 11
-us) against llguidance's 27 us (p99 180 us), with the same apply cost; it also rolls back
-natively, which speculative decoding needs.
+vocabulary, 1 thread): filling the bitmask of a JSON-schema matcher costs xgrammar several times
+less than llguidance, at the median and at p99, with the same apply cost
+(benchmarks/results/grammar_mask.txt); it also rolls back natively, which speculative decoding needs.
 
 A request with `SamplingParams.grammar` owns a matcher in its slot. The matcher has consumed
 exactly the request's output tokens so far: on admission it is rebuilt from the outputs the
@@ -15,10 +15,14 @@ A draft the grammar refuses makes every later position of its window moot (the t
 sample it, so verification stops there): those positions are left unmasked. The drafters follow
 the grammar too (DraftWalk for MTP, `valid_prefix` for n-gram lookup), which only changes which
 drafts are proposed, never the output: on the bundled model it lifts MTP acceptance under a JSON
-schema from 8% to 60% (benchmarks/results/grammar_mask.txt).
+schema several-fold (benchmarks/results/grammar_mask.txt).
 
-Compiled grammars are cached by spec (kind + text), so a schema is compiled once per process;
-the front end compiles the same grammar (without a tokenizer) to refuse a bad schema with a 400.
+Compiled grammars are cached by spec (kind + text), so a schema is compiled once per process.
+Compiling never happens inside an engine step: an engine process compiles a request's grammar on
+a thread of its own before the request reaches the scheduler (engine/grammar_prep.py), and the
+request carries the compiled grammar to its slot. The front end compiles the same spec first, in
+worker processes with a time and size budget (server/grammar_pool.py), and refuses with a 400 what
+fails or runs over.
 """
 from __future__ import annotations
 
@@ -61,13 +65,21 @@ def _short(exc: Exception) -> str:
 
 
 class GrammarCompiler:
-    """Compiles specs against one tokenizer's vocabulary, once each (LRU by spec)."""
+    """Compiles specs against one tokenizer's vocabulary, once each (LRU by spec); `cache` False:
+    every `compile_uncached` call compiles afresh and nothing is kept (the front end's checker,
+    which keeps only verdicts)."""
 
-    def __init__(self, model_dir: str | Path, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, model_dir: str | Path, vocab_size: int, stop_token_ids: Sequence[int],
+                 cache: bool = True) -> None:
         self.model_dir, self.vocab_size, self.stop_token_ids = str(model_dir), vocab_size, list(stop_token_ids)
+        self._cache = cache
         self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()  # engine threads in one test process share nothing else, but may share this
-        self.compile = functools.lru_cache(maxsize=_CACHE_SIZE)(self._compile)
+        self.compile = functools.lru_cache(maxsize=_CACHE_SIZE)(self.compile_uncached)
+
+    def load(self) -> None:
+        """Load the tokenizer now rather than on the first compile (a ValueError if it cannot be)."""
+        self._tokenizer_compiler()
 
     def _tokenizer_compiler(self) -> xgr.GrammarCompiler:
         """Loaded on the first structured request: engines that never see one never pay for it."""
@@ -81,10 +93,10 @@ class GrammarCompiler:
                     raise ValueError(f"grammar: this model has no usable tokenizer ({exc})") from None
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=self._cache)
             return self._compiler
 
-    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    def compile_uncached(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         grammar = build_grammar(spec)
         return self._tokenizer_compiler().compile_grammar(grammar)
 
@@ -137,12 +149,14 @@ class GrammarStates:
         self.num_active = 0  # slots with a matcher: 0 lets every per-step check skip the batch loop
         self._bitmask = xgr.allocate_token_bitmask(1, compiler.vocab_size)
 
-    def admit(self, slot: int, spec: GrammarSpec | None, output_token_ids: Sequence[int]) -> None:
-        """I2: every admission sets the slot's matcher, so a new occupant never inherits one."""
+    def admit(self, slot: int, spec: GrammarSpec | None, output_token_ids: Sequence[int],
+              compiled: xgr.CompiledGrammar | None = None) -> None:
+        """I2: every admission sets the slot's matcher, so a new occupant never inherits one.
+        `compiled`: the spec's grammar, compiled before admission (an engine step must not compile)."""
         self.release(slot)
         if spec is None:
             return
-        matcher = xgr.GrammarMatcher(self.compiler.compile(spec))
+        matcher = xgr.GrammarMatcher(compiled if compiled is not None else self.compiler.compile(spec))
         for i, token in enumerate(output_token_ids):
             if not matcher.accept_token(int(token)):
                 # Only a peer that ignored the grammar (t0 from P) gets here; the engine loop goes on.

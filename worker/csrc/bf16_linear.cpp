@@ -3,15 +3,15 @@
 //
 // linear_bf16w: y = x @ w^T (+ bias) for a few fp32 input rows against a bf16 weight. A decode or
 // draft step multiplies a handful of rows by every weight of the layer, and those weights come from
-// memory each step (L3 or DRAM: ~10-25 GB/s on one core), so half the bytes is most of the time. On
-// a CPU with native bf16 math oneDNN's bf16 GEMM is no better at these sizes: it converts the input
-// and pays ~30 us a call (benchmarks/results/bf16_linear.txt). bf16 -> fp32 is exact (the top 16
+// memory each step (L3 or DRAM, bandwidth-bound on one core), so half the bytes is most of the time.
+// On a CPU with native bf16 math oneDNN's bf16 GEMM is no better at these sizes: it converts the input
+// and pays a fixed cost a call (benchmarks/results/bf16_linear.txt). bf16 -> fp32 is exact (the top 16
 // bits), so every product is the fp32 product of the rounded weight; the sums are fp32 in another
 // order than MKL's.
 //
 // mtp_layer: the whole MTP layer (norms, input_proj, the decoder block with its paged attention,
 // final norm) in one call for a step's few rows. In Python the layer is ~40 torch ops whose
-// dispatch cost more than their arithmetic (~0.35 ms a draft at batch 1, 1 core); drafts need no
+// dispatch cost more than their arithmetic at a few rows; drafts need no
 // bit-exactness (the target verifies them), only speed.
 //
 #include <ATen/ATen.h>
@@ -105,9 +105,8 @@ using PagedAttention = void(const at::Tensor&, const at::Tensor&, const at::Tens
 // One projection of the layer: the bf16 weight (fp32 arithmetic) for inputs of at most
 // `bf16_max_rows` rows, else the GEMM weight (where a bigger input is a GEMM that computes, not a
 // weight read), where the layer has it: fp32 through MKL, or, on a CPU with native bf16 math, the
-// bf16 weight itself through oneDNN, the input rounded to bf16 (AMX: 27 rows through the bundled
-// layer's six projections 0.57 ms against fp32's 0.82; drafts need no exactness, the target
-// verifies them).
+// bf16 weight itself through oneDNN, the input rounded to bf16 (faster than fp32 at these row counts
+// with AMX, benchmarks/results/bf16_linear.txt; drafts need no exactness, the target verifies them).
 struct Projection {
   const at::Tensor& bf16;
   const at::Tensor& gemm;  // undefined or empty where the layer keeps only the bf16 weight

@@ -173,11 +173,12 @@ at::Tensor argmax(const at::Tensor& logits) {
 
 // ---- Inverse-CDF sampling: the first token whose running mass exceeds u times the total (a token
 // of zero mass is never picked; should rounding leave the running sum short, the last token of
-// nonzero mass). A sum in vocabulary order is one long chain of dependent additions (~80 us for 16
-// rows of 4096); here each block of kCdfBlock tokens is summed with 8 independent partial sums
-// (vectorised without reassociating anything), the blocks are walked to the one where the running
-// mass crosses the target, and only that block is scanned token by token. The sums round
-// differently from a sum in order, which moves a uniform that sits on a boundary in its last bit.
+// nonzero mass). A sum in vocabulary order is one long chain of dependent additions, bound by the
+// add latency rather than throughput; here each block of kCdfBlock tokens is summed with 8
+// independent partial sums (vectorised without reassociating anything), the blocks are walked to
+// the one where the running mass crosses the target, and only that block is scanned token by token.
+// The sums round differently from a sum in order, which moves a uniform that sits on a boundary
+// in its last bit.
 constexpr int64_t kCdfBlock = 64;
 
 float block_sum(const float* x, int64_t n) {
@@ -223,7 +224,7 @@ int64_t inverse_cdf(const float* dist, int64_t V, float u, std::vector<float>& s
 // the token is drawn from max(0, p_j - q_j) (p_j itself where that is all zero), else the bonus from
 // p_k. That draw is by inverse CDF with one uniform final_u[r]: the first token whose running mass
 // exceeds final_u[r] times the total (a token of zero mass is never picked), as Sampler.sample_from_probs
-// draws an unkeyed row (V uniforms and their logs cost ~10x the pass). q [sum k, Vd] covers the draft vocabulary
+// draws an unkeyed row (V uniforms and their logs cost many times the pass). q [sum k, Vd] covers the draft vocabulary
 // vocab_ids (int64 [Vd]; empty: the whole vocabulary). Returns [rows, 2] int64: the number of
 // accepted drafts and the token after them. worker/fused_ops.py holds the torch reference; the
 // torch RejectionSampler takes ~20 dispatches for what is a few passes over the vocabulary here.

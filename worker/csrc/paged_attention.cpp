@@ -109,8 +109,8 @@ void attend_row_head(const scalar_t* q, const scalar_t* k_cache, const scalar_t*
 // fp32 rows on AVX-512 (head_dim a multiple of 16, up to 256): one query row at a time, its
 // query and output accumulator held in registers across the whole context, 16 keys per chunk.
 // GCC's auto-vectorised generic path above (mostly 256-bit, a horizontal sum per key and a
-// scalar expf call per score) is 3.5x slower at decode and 4.9x at verify rows, 2x at 1.5k-token
-// contexts where both read the cache at memory speed (benchmarks/bench_attention_kernel.py).
+// scalar expf call per score) is several times slower at decode and verify rows, and still slower at
+// long contexts where both read the cache at memory speed (benchmarks/bench_attention_kernel.py).
 
 // exp(x) for x <= 0 (scores minus their running max): Cody-Waite range reduction, the Cephes
 // degree-6 polynomial (relative error ~1e-7, like expf) and vscalefps for the 2^n. Lanes below
@@ -238,10 +238,10 @@ bool attend_row_head_avx512(const scalar_t* q, const scalar_t* k_cache, const sc
 #if defined(__AVX2__) && defined(__FMA__)
 // fp32 rows on AVX2 + FMA (head_dim 32, 64 or 128), for CPUs without AVX-512 (the 2-core AMD EPYC
 // CI machine): 8 keys per chunk, their dot products reduced together and exponentiated in one vector
-// op. The generic path above (a horizontal sum and a scalar expf per key) took 984 us of a 9.3 ms
-// batch-16 decode step per layer there; this path is 1.8-3.1x faster on a hot cache at 350-token contexts
-// (benchmarks/bench_attention_kernel.py) but only 770-1070 us in the engine (runs vary that much),
-// where each layer's cache is cold and is read from memory (software prefetching measured no better).
+// op. The generic path above (a horizontal sum and a scalar expf per key) is a large share of a
+// batch-16 decode step there; this path is faster on a hot cache (benchmarks/results/attention_kernel.txt)
+// but gains less in the engine, where each layer's cache is cold and is read from memory (software
+// prefetching measured no better).
 
 // exp(x) for x <= 0, as exp_nonpositive above: 2^n built in the exponent bits; lanes below -87
 // (masked keys are -inf) come out as exactly 0.

@@ -6,18 +6,18 @@ Two things make small-batch decode cheap on a CPU, where every step is a handful
   The checkpoint keeps them apart; `Linear.shards` names the checkpoint tensors that fill each
   row range, and the loader copies each one into its slice.
 - Packing: oneDNN with a weight reordered once at load time. Which of it and `F.linear` (MKL)
-  is faster depends on the CPU and the row count: on an AMD EPYC MKL ran a 3-row input as three
-  GEMVs (3x the cost of one row) where oneDNN handled 1..16 rows for little more than one; on a
-  Xeon with AMX, fp32 MKL took 9 us for one row of a 256x512 projection against oneDNN's 21, and
-  oneDNN won only from ~16 rows (2 for a 4096-row lm_head). So weights are packed on CPU for fp32,
+  is faster depends on the CPU and the row count: on an AMD EPYC MKL ran a few-row input as one
+  GEMV per row (its cost growing with each row) where oneDNN handled up to 16 rows for little more
+  than one; on a Xeon with AMX, fp32 MKL was faster for one row of a small projection and oneDNN won
+  only from about 16 rows (from far fewer for the wide lm_head). So weights are packed on CPU for fp32,
   and for bf16 where the CPU has native bf16 math (a bf16 MTP drafter), and `tune_linears` then
   measures, per weight shape, from which row count the packed weight runs (below: `F.linear`),
   once per machine: the choice is kept for the engines that start later.
 - bf16 weights (`keep_bf16`), for the MTP drafter of a float32 target on a CPU: inputs of at most
   BF16_MAX_ROWS rows are multiplied by a bfloat16 copy of the weight in fp32 arithmetic
   (`worker/csrc/bf16_linear.cpp`). A few rows' step reads every weight from memory, and half the
-  bytes made the bundled model's projections 1.4-1.8x faster for 1-4 rows, where oneDNN's bf16
-  GEMM was 2x slower than fp32 even with native bf16 math (benchmarks/results/bf16_linear.txt).
+  bytes made the bundled model's projections faster for a few rows, where oneDNN's bf16 GEMM was
+  slower than fp32 even with native bf16 math (benchmarks/results/bf16_linear.txt).
 - Narrow weights of the target (`--dtype bfloat16` on a CPU, `--quantization int8`): the weight
   itself is stored in bf16 (`store_bf16`) or as int8 with one fp32 scale per output feature
   (`quantize_int8`), and the arithmetic stays fp32: a few rows go through a kernel that converts each
@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import settings
 from worker import cpp_build
 
 logger = logging.getLogger(__name__)
@@ -288,7 +289,7 @@ def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float
 def tuning_record() -> Path | None:
     """Where tune_linears keeps its choices: PDSERVE_LINEAR_TUNING (a path, or "off" for none),
     by default ~/.cache/pdserve/linear_tuning.json."""
-    where = os.environ.get("PDSERVE_LINEAR_TUNING", str(Path.home() / ".cache" / "pdserve" / "linear_tuning.json"))
+    where = settings.LINEAR_TUNING.get() or str(Path.home() / ".cache" / "pdserve" / "linear_tuning.json")
     return None if where == "off" else Path(where)
 
 

@@ -142,10 +142,10 @@ class CausalLM(nn.Module):
 
     def warm_up_draft_gemms(self, max_rows: int) -> None:
         """Have oneDNN make its bf16 GEMM for each input of BF16_MAX_ROWS < M <= max_rows rows, for every
-        weight the fused MTP ops multiply such inputs by (gemm_weight). It makes one per shape on first use
-        (~0.3-1 ms each), and the speculation policy's first timings of drafting at a batch size fell on
-        them: at batch 4, T=1, the first k=2 steps ran 6-8 ms against 4.5 after, C(2)/C(0) was recorded
-        as 3.4 (1.9 in steady state) and the policy never drafted k=2 there again."""
+        weight the fused MTP ops multiply such inputs by (gemm_weight). It makes one per shape on first use,
+        a slow call; left to the first drafting steps at a batch size, those would land in the speculation
+        policy's first timings there, make drafting look far costlier than it is in steady state, and keep
+        the policy from drafting at that batch size again."""
         layer, head = self.model.mtp_layers[0], self.draft_head
         if layer.fused is None or head is None or head.bf16 is None:
             return

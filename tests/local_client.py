@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.grammar_prep import GrammarPrep
 from engine.request import RequestStatus
 from engine.types import EngineRole, FinishReason, SamplingParams
 from server.protocol import GenerationChunk, InstanceInfo
@@ -52,6 +53,11 @@ def _deliver(items: list[tuple[asyncio.Queue, GenerationChunk]]) -> None:
         q.put_nowait(chunk)
 
 
+# How often an idle engine thread looks for grammars that finished compiling (an engine process
+# polls its sockets as often: engine/process.py IDLE_POLL_MS).
+GRAMMAR_POLL_S = 0.02
+
+
 class LocalEngineClient:
     """Runs an `EngineCore` in a background thread of this process (the colocated baseline)."""
 
@@ -66,6 +72,7 @@ class LocalEngineClient:
         self._lock = threading.Lock()
         self._active: set[str] = set()  # request ids with a live stream (caller side)
         self._sinks: dict[str, _Sink] = {}  # engine-thread side
+        self._grammars = GrammarPrep(self.core.compile_grammar)  # compiled before admission, off the loop
         self._snapshot = self._make_snapshot()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -139,6 +146,8 @@ class LocalEngineClient:
             while True:
                 if not self._handle_commands(block=not self.core.has_unfinished()):
                     break
+                for ready in self._grammars.ready():
+                    self._admit(*ready.item, ready.grammar, ready.error)
                 if self.core.has_unfinished():
                     step_start = time.monotonic()
                     updates = self.core.step()
@@ -150,6 +159,7 @@ class LocalEngineClient:
             self._fail_all(self._dead)
         else:
             self._fail_all("engine stopped", reason=FinishReason.ABORT)
+        self._grammars.close()
         self._snapshot = self._make_snapshot()
         # Requests submitted after the loop ended must still see an ending.
         while True:
@@ -163,8 +173,9 @@ class LocalEngineClient:
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued commands; False when asked to stop."""
-        try:
-            cmd = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
+        try:  # while grammars compile, look for them often
+            cmd = self._inbox.get(timeout=GRAMMAR_POLL_S if len(self._grammars) else 1.0) if block \
+                else self._inbox.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -180,18 +191,30 @@ class LocalEngineClient:
                 return True
 
     def _add(self, request_id: str, prompt: list[int], params: SamplingParams, sink: _Sink) -> None:
+        """A request with a grammar waits for it to compile (engine/grammar_prep.py), then `_admit`."""
+        if params.grammar is None:
+            self._admit(request_id, prompt, params, sink, None, None)
+        elif (error := self._grammars.start(request_id, params.grammar, (request_id, prompt, params, sink))):
+            self._post(sink, GenerationChunk([], finish_reason=FinishReason.ERROR, error=error))
+
+    def _admit(self, request_id: str, prompt: list[int], params: SamplingParams, sink: _Sink, grammar,
+               error: str | None) -> None:
         try:
-            self.core.add_request(prompt, params, request_id)
+            if error is not None:
+                raise ValueError(error)
+            self.core.add_request(prompt, params, request_id, grammar=grammar)
         except ValueError as exc:
             self._post(sink, GenerationChunk([], finish_reason=FinishReason.ERROR, error=str(exc)))
             return
         self._sinks[request_id] = sink
 
     def _abort(self, request_id: str, notify: bool) -> None:
-        sink = self._sinks.pop(request_id, None)
+        waiting = self._grammars.drop(request_id)
+        sink = self._sinks.pop(request_id, None) if waiting is None else waiting[3]
         if sink is None:
             return
-        self.core.abort_request(request_id)
+        if waiting is None:
+            self.core.abort_request(request_id)
         if notify:
             self._post(sink, GenerationChunk([], finish_reason=FinishReason.ABORT, queue_time=sink.queue_time))
 
@@ -231,6 +254,9 @@ class LocalEngineClient:
                         self._abort(req_id, notify=False)
 
     def _fail_all(self, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
+        for _, _, _, sink in self._grammars.clear():  # still waiting for their grammar
+            self._post(sink, GenerationChunk([], finish_reason=reason,
+                                             error=message if reason == FinishReason.ERROR else None))
         for req_id, sink in list(self._sinks.items()):
             try:
                 self.core.abort_request(req_id)
