@@ -230,7 +230,7 @@ class DecodeConnector(KVConnector):
     def on_new_request(self, request: Request, prefill_endpoint: str) -> None:
         request.kv_source = prefill_endpoint  # the scheduler reserves blocks, then start_load pulls
         if prefill_endpoint:
-            self.queued[request.req_id] = (request, time.monotonic() + self.reserve_deadline_s)
+            self.queued[request.req_id] = (request, self.receiver.clock() + self.reserve_deadline_s)
 
     def start_load(self, request: Request) -> None:
         self.queued.pop(request.req_id, None)
@@ -256,7 +256,7 @@ class DecodeConnector(KVConnector):
         done, failed = self.receiver.poll()
         for item in done:
             self.handed_off[item.req_id] = item.prefill_done_time
-        now = time.monotonic()
+        now = self.receiver.clock()  # the receiver's clock: one clock for every decode-side deadline
         for req_id, (request, deadline) in list(self.queued.items()):
             if deadline < now:
                 del self.queued[req_id]

@@ -141,6 +141,15 @@ class ProcessGroup:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
 
+    def pause(self, name: str) -> None:
+        """SIGSTOP: the process does nothing at all (no step, no heartbeat, no KV pull) until resumed."""
+        os.killpg(self.procs[name].pid, signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         for name in self.procs:
             self.kill(name)

@@ -144,13 +144,32 @@ def test_fused_mtp_layer_matches_the_torch_layer(arch, query_lens, mtp_checkpoin
     assert torch.equal(runner.kv_cache[:-1], before[:-1])
 
 
+def race_log_scores(drafter, h: torch.Tensor, meta) -> torch.Tensor:
+    """The log scores of the exponential race (worker/sampler.py, keyed rows) by which the Python path
+    draws these rows' drafts: log p - log E, E the Exp(1) draws of each row's own generator."""
+    probs = drafter.sampler.compute_probs(drafter.model.compute_draft_logits(h).float(), meta)
+    noise = torch.stack([torch.empty(probs.shape[1]).uniform_(generator=gen) for gen in meta.generators])
+    return probs.log() - (-(-noise).log1p()).clamp_min(torch.finfo(torch.float32).tiny).log()
+
+
+def assert_race_tie(scores: torch.Tensor, ours: int, theirs: int, label: str) -> None:
+    """Two paths drew different tokens from one race: a float-noise tie, its top two log scores those
+    tokens, within the conftest logit-gap tolerance."""
+    top2 = scores.topk(2)
+    gap = float(top2.values[0] - top2.values[1])
+    assert set(top2.indices.tolist()) == {ours, theirs} and gap < 1e-4, (
+        f"{label}: drafts {ours} and {theirs} differ; the race's top two are {top2.indices.tolist()} {gap:.3g} "
+        "apart, not a float-noise tie")
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_fused_drafts_are_the_layer_by_layer_drafts(arch, temperature, mtp_checkpoints, monkeypatch):
     """Drafting as one C++ op (mtp_draft: a steady step's MTP pass and draft chain, or the chain
     alone) against mtp_layer calls and draft heads from Python: the same drafts, step by step --
     greedy: the same arithmetic; seeded T=1: the same coupled draws, the race computed in another
-    form (log-space), so a near-tie may go the other way; rows of a batch at different positions,
+    form (log-space), so a row's drafts may part only at a near-tie of the Python path's race
+    (and differ from there on, each chain on its own); rows of a batch at different positions,
     prefill chunks, a draft vocabulary on qwen2. Output does not depend on the drafts."""
     import json
     import tempfile
@@ -164,8 +183,15 @@ def test_fused_drafts_are_the_layer_by_layer_drafts(arch, temperature, mtp_check
     if arch == "qwen2":
         vocab = str(Path(tempfile.mkdtemp()) / "draft_vocab.json")
         Path(vocab).write_text(json.dumps({"token_ids": list(range(0, 384, 2))}))
-    propose, chain = MTPDrafter.propose, CausalLM.fused_drafts
+    propose, chain, pick = MTPDrafter.propose, CausalLM.fused_drafts, MTPDrafter._pick
     passes = []  # per fused call: whether it ran the MTP pass too
+    races: list[dict] = []  # Python path, per propose call: (slot, draft j) -> the race's log scores
+
+    def recording_pick(self, h, slots, j, draft_meta, walk=None):
+        meta = draft_meta(slots, j)
+        if meta is not None and races:
+            races[-1].update({(slot, j): row for slot, row in zip(slots.tolist(), race_log_scores(self, h, meta))})
+        return pick(self, h, slots, j, draft_meta, walk)
 
     def counting(self, *args, **kwargs):
         passes.append(kwargs.get("pass_ids") is not None)
@@ -176,12 +202,15 @@ def test_fused_drafts_are_the_layer_by_layer_drafts(arch, temperature, mtp_check
     for fused in (True, False):
         seen: list[list[list[int]]] = []
 
-        def recording(self, *args, seen=seen):
-            drafts = propose(self, *args)
+        def recording(self, batch, *args, seen=seen, fused=fused):
+            if not fused:
+                races.append({"slots": batch.slots.tolist()})
+            drafts = propose(self, batch, *args)
             seen.append(drafts)
             return drafts
 
         monkeypatch.setattr(MTPDrafter, "propose", recording)
+        monkeypatch.setattr(MTPDrafter, "_pick", recording_pick)
         llm = LLM(str(mtp_checkpoints[arch]), max_model_len=160, max_num_seqs=4, block_size=4,
                   max_num_batched_tokens=48, speculative_method="mtp", num_speculative_tokens=3,
                   spec_policy="fixed", draft_dtype="bfloat16", draft_vocab=vocab)
@@ -196,9 +225,18 @@ def test_fused_drafts_are_the_layer_by_layer_drafts(arch, temperature, mtp_check
     if temperature == 0.0:
         assert fused_drafts == torch_drafts
     else:
-        pairs = [(a, b) for x, y in zip(fused_drafts, torch_drafts) for a, b in zip(sum(x, []), sum(y, []))]
-        assert len(fused_drafts) == len(torch_drafts) and len(pairs) > 100
-        assert sum(a == b for a, b in pairs) >= 0.97 * len(pairs)
+        assert len(fused_drafts) == len(torch_drafts) == len(races)
+        compared = 0
+        for step, (x_rows, y_rows, race) in enumerate(zip(fused_drafts, torch_drafts, races)):
+            for slot, x, y in zip(race["slots"], x_rows, y_rows):
+                assert len(x) == len(y), (step, slot)
+                parted = next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                compared += len(x) if parted is None else parted + 1
+                # The recorded race is the one the Python path drew by: its winners are y's drafts.
+                assert [int(race[slot, j].argmax()) for j in range(len(y))] == y, (step, slot)
+                if parted is not None:
+                    assert_race_tie(race[slot, parted], x[parted], y[parted], f"step {step} slot {slot} draft {parted}")
+        assert compared > 100
         assert accepted > 0  # coupled draws: drafts equal to the verifier's samples
 
 

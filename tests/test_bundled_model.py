@@ -73,7 +73,7 @@ def test_spec_decoding_exact_and_mostly_accepted_on_bundled_model(method, k, dra
     """Drafter precision (bf16 by default on CPUs with native bf16) changes proposals, never output."""
     prompts, ref = bundled
     # Fixed K: the adaptive policy's choice of k follows step timings, and acceptance per draft
-    # depends on it (adaptive exactness is tested in test_spec_decode.py / test_spec_adaptive.py).
+    # depends on it (adaptive exactness is tested in test_spec_decode.py / test_spec_drafter.py).
     llm = LLM(str(BUNDLED_MODEL), max_model_len=512, max_num_seqs=2, speculative_method=method,
               num_speculative_tokens=k, draft_dtype=draft_dtype, spec_policy="fixed")
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True))

@@ -12,16 +12,15 @@ import msgspec
 import pytest
 import zmq
 from conftest import random_prompts
+from kv_harness import VOCAB, greedy
 from pd_harness import ThreadedEngines, client_for, free_port, generate_all, running_client, wait_ready, wait_until
 
 from engine import messages as em
 from engine.config import ClusterKey, EngineConfig, check_bind
-from engine.types import SamplingParams
 from kv_transfer import messages as m
 from server.metrics import ServerMetrics
 
-VOCAB = 384
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+GREEDY = greedy(8)
 KV_KEY = "kv-port-shared-key-0123456789"
 
 

@@ -1,18 +1,22 @@
 """Deadlines both ways (issue 14, hole 2): a decode reservation that can never fit fails at once,
 one stuck behind full memory ends at its deadline, and a prefill's lease expiry reaches the
-decode instance as an error instead of a silent free; no block is left behind anywhere."""
+decode instance as an error instead of a silent free; no block is left behind anywhere.
+
+The deadlines under test run on clocks the test moves (kv_harness.JumpClock, FakeClock): each
+scenario waits for the event a deadline stands for and asserts on the counters, never on how
+long something took."""
 from __future__ import annotations
 
-import time
+import asyncio
 from pathlib import Path
 
 import pytest
 import torch
 import zmq
 from conftest import random_prompts
-from pd_harness import ThreadedEngines, client_for, generate_all, running_client, wait_blocks_free, wait_ready
+from kv_harness import VOCAB, FakeClock, JumpClock, greedy, kv_shape, pd_pair, pump
+from pd_harness import generate_all, wait_blocks_free, wait_until
 
-from engine.config import EngineConfig
 from engine.request import Request
 from engine.types import SamplingParams
 from kv_transfer.receiver import KVReceiver
@@ -20,17 +24,20 @@ from kv_transfer.sender import KVSender
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler
 
-VOCAB = 384
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-SHAPE = (2, 2, 8, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
+GREEDY = greedy(8)
+SHAPE = kv_shape()
+# Far beyond any real wait in these tests: only the test's clock jumps reach it.
+LONG_S = 600.0
 
 
-def hog_decode_memory(decode, hog_tokens: int) -> dict:
+def hog_decode_memory(decode, state: dict) -> None:
     """Make a decode engine's memory look full: while `state["hog"]` is set, a hog request holds
-    `hog_tokens` worth of blocks (taken and given back inside the engine's own thread)."""
+    every KV block (taken and given back inside the engine's own thread). `state["turns"]` counts
+    the decode loop's scheduling passes, so a test can wait for the loop to have seen a change."""
     sched = decode.core.scheduler
+    hog_tokens = sched.blocks.num_blocks * sched.blocks.block_size
     hog = Request("hog", [1] * hog_tokens, SamplingParams())
-    state = {"hog": False}
+    state.update(hog=False, turns=0)
     reserve = sched._reserve_remote_kv
 
     def reserve_with_hog():
@@ -39,124 +46,125 @@ def hog_decode_memory(decode, hog_tokens: int) -> dict:
         elif not state["hog"] and hog.block_ids:
             sched.blocks.free_request(hog)
         reserve()
+        state["turns"] += 1
 
     sched._reserve_remote_kv = reserve_with_hog
-    return state
 
 
-def warm_up(run, client) -> None:
-    """One request through P and D first: a process's first forward loads kernels, which takes
-    longer than the short deadlines under test."""
-    (result,) = run(generate_all(client, [[4, 5, 6]], GREEDY, timeout=60))
-    assert result["error"] is None, result
+def loop_turns(state: dict, n: int = 2) -> None:
+    """Wait until the decode loop has made `n` more passes: a clock change made before this call
+    has been seen by its deadline checks (they run at every pass)."""
+    target = state["turns"] + n
+    wait_until(lambda: state["turns"] >= target, 30, "the decode loop to turn", interval=0.005)
 
 
 def test_reservation_that_cannot_fit_and_one_stuck_behind_full_memory(checkpoints, references, tmp_path):
     model = str(checkpoints["qwen2"])
-    engines = ThreadedEngines(tmp_path)
-    engines.add("prefill", "prefill-0", EngineConfig(model=model, max_model_len=64, num_threads=1))
+    clock = JumpClock()
+    hooks = {}
+
+    def install(_prefill, decode):
+        decode.connector.receiver.clock = clock  # the reservation deadline runs on the receiver's clock
+        hog_decode_memory(decode, hooks)
+
     # 4 blocks of 16 = 64 tokens; ngram drafting reserves 2 lookahead slots: a 62-token prompt (+ t0) can never
     # fit. Not 63 tokens: P's t0 would end that one at max_model_len, a race with D's rejection.
-    decode = engines.add("decode", "decode-0", EngineConfig(model=model, max_model_len=64, num_kv_blocks=4,
-                                                            speculative_method="ngram", num_threads=1),
-                         kv_reserve_deadline_s=1.0)
-    state = hog_decode_memory(decode, 64)
-    engines.start()
     # max_resumes=0: this is about D's own deadline; failover would re-queue the request (its t0 was
     # streamed) behind the same full memory, up to --max-resumes times.
-    client = client_for(engines.server_addr, model, "pd", 64, max_resumes=0)
-    never, stuck = random_prompts(2, 62, 10, VOCAB, 143)  # 62 and 10 tokens
-    try:
-        with running_client(client) as run:
-            run(wait_ready(client))
-            warm_up(run, client)
-            state["hog"] = True
-            start = time.monotonic()
-            (too_big,) = run(generate_all(client, [never], GREEDY, timeout=10))
-            assert too_big["finish_reason"] == "error" and "need 5 KV blocks" in too_big["error"], too_big
-            assert time.monotonic() - start < 1.0  # at once, not at a deadline
-            start = time.monotonic()
-            (waited,) = run(generate_all(client, [stuck], GREEDY, timeout=10))
-            took = time.monotonic() - start
-            assert waited["finish_reason"] == "error" and "no KV memory" in waited["error"], waited
-            assert 0.9 < took < 3.0, took  # its 1 s reservation deadline, not forever
-            assert decode.connector.receiver.stats.reservations_expired == 1
-            state["hog"] = False
-            (ok,) = run(generate_all(client, [stuck], GREEDY, timeout=20))  # memory back: it runs
-            assert ok["error"] is None
-            references["qwen2"].assert_matches(stuck, ok["tokens"], 8)
-            run(wait_blocks_free(client, timeout=5))
-    finally:
-        engines.stop()
+    with pd_pair(tmp_path, model, 64, decode=dict(num_kv_blocks=4, speculative_method="ngram"),
+                 decode_kv=dict(kv_reserve_deadline_s=LONG_S), before_start=install, max_resumes=0) as pd:
+        run, decode = pd.run, pd.decode
+        connector, stats = decode.connector, decode.connector.receiver.stats
+        never, stuck = random_prompts(2, 62, 10, VOCAB, 143)  # 62 and 10 tokens
+        hooks["hog"] = True
+        (too_big,) = run(generate_all(pd.client, [never], GREEDY, timeout=30))
+        assert too_big["finish_reason"] == "error" and "need 5 KV blocks" in too_big["error"], too_big
+        assert stats.reservations_expired == 0 and clock.skew == 0  # at once, not at a deadline
+
+        async def stuck_until_its_deadline():
+            task = asyncio.ensure_future(generate_all(pd.client, [stuck], GREEDY, timeout=60))
+            await asyncio.to_thread(wait_until, lambda: len(connector.queued) == 1, 30, "D to queue the request")
+            clock.advance(LONG_S - 1)  # just short of the deadline: still waiting
+            await asyncio.to_thread(loop_turns, hooks)
+            assert len(connector.queued) == 1 and stats.reservations_expired == 0 and not task.done()
+            clock.advance(2)  # past it
+            return await task
+
+        (waited,) = run(stuck_until_its_deadline(), timeout=90)
+        assert waited["finish_reason"] == "error" and "no KV memory" in waited["error"], waited
+        assert f"within {LONG_S:g} s" in waited["error"]  # its reservation deadline, not forever
+        assert stats.reservations_expired == 1 and not connector.queued
+        hooks["hog"] = False
+        (ok,) = run(generate_all(pd.client, [stuck], GREEDY, timeout=30))  # memory back: it runs
+        assert ok["error"] is None
+        references["qwen2"].assert_matches(stuck, ok["tokens"], 8)
+        run(wait_blocks_free(pd.client, timeout=10))
 
 
 def test_prefill_lease_expiry_reaches_decode_as_a_clear_error(checkpoints, tmp_path):
     """P's lease runs out while D waits for memory: D's pull gets a KVError at once (not a
     KeepAlive-renewed pending pull until D's own deadline), and the request ends clearly."""
     model = str(checkpoints["qwen2"])
-    engines = ThreadedEngines(tmp_path)
-    prefill = engines.add("prefill", "prefill-0", EngineConfig(model=model, max_model_len=256, num_threads=1),
-                          kv_lease_s=0.5)
-    decode = engines.add("decode", "decode-0", EngineConfig(model=model, max_model_len=256, num_kv_blocks=16,
-                                                            num_threads=1))
-    state = hog_decode_memory(decode, 256)
-    engines.start()
+    clock = JumpClock()
+    hooks = {}
+
+    def install(prefill, decode):
+        prefill.connector.sender.clock = clock  # P's leases run on its sender's clock
+        hog_decode_memory(decode, hooks)
+
+    # D's own deadlines are far away (and on the real clock): only P's lease can end the request.
     # max_resumes=0: the error itself is under test; with failover on, the request (t0 streamed) is
     # resumed with a fresh transfer and completes once memory is back.
-    client = client_for(engines.server_addr, model, "pd", 256, max_resumes=0)
-    try:
-        with running_client(client) as run:
-            run(wait_ready(client))
-            warm_up(run, client)
-            state["hog"] = True
+    with pd_pair(tmp_path, model, 256, decode=dict(num_kv_blocks=16),
+                 prefill_kv=dict(kv_lease_s=LONG_S),
+                 decode_kv=dict(kv_reserve_deadline_s=LONG_S, kv_deadline_s=LONG_S),
+                 before_start=install, max_resumes=0) as pd:
+        sender, receiver = pd.prefill.connector.sender, pd.decode.connector.receiver
+        hooks["hog"] = True
 
-            async def scenario():
-                import asyncio
+        async def scenario():
+            task = asyncio.ensure_future(generate_all(pd.client, [[5, 6, 7, 8, 9]], GREEDY, timeout=60))
+            await asyncio.to_thread(wait_until, lambda: sender.held and pd.decode.connector.queued, 30,
+                                    "P to hold the KV and D to wait for memory")
+            clock.advance(LONG_S + 1)  # P's lease runs out meanwhile
+            await asyncio.to_thread(wait_until, lambda: sender.stats.leases_expired == 1, 30, "P's lease to expire")
+            hooks["hog"] = False
+            return await task
 
-                task = asyncio.ensure_future(generate_all(client, [[5, 6, 7, 8, 9]], GREEDY, timeout=20))
-                await asyncio.sleep(1.5)  # P's 0.5 s lease has run out meanwhile
-                assert prefill.connector.sender.stats.leases_expired == 1
-                state["hog"] = False
-                return await task
-
-            start = time.monotonic()
-            (result,) = run(scenario(), timeout=30)
-            assert time.monotonic() - start < 5.0
-            assert result["finish_reason"] == "error" and "lease" in result["error"], result
-            assert decode.connector.receiver.stats.transfers_failed == 1
-            run(wait_blocks_free(client, timeout=5))
-    finally:
-        engines.stop()
+        (result,) = pd.run(scenario(), timeout=90)
+        assert result["finish_reason"] == "error" and "lease" in result["error"], result
+        assert receiver.stats.transfers_failed == 1
+        # Ended by P's word, not by one of D's deadlines.
+        assert receiver.stats.reservations_expired == 0 and receiver.stats.transfers_stalled == 0
+        pd.run(wait_blocks_free(pd.client, timeout=10))
 
 
 def test_lease_expiry_is_sent_to_a_decode_that_already_asked(tmp_path: Path):
     """D pulled before P finished, then went quiet: when P's lease expires it sends D a KVError."""
     ctx = zmq.Context()
+    clock = FakeClock()  # P's leases; D's clock is the real one (its 60 s deadline never comes)
     released: list[str] = []
     sender = KVSender(ctx, f"ipc://{tmp_path}/p", torch.zeros(SHAPE), "h", "{}", "prefill-0",
-                      lambda req_id, _b: released.append(req_id), lease_s=0.3)
+                      lambda req_id, _b: released.append(req_id), lease_s=0.3, clock=clock)
     receiver = KVReceiver(ctx, torch.zeros(SHAPE), "h", "{}", "decode-0", deadline_s=60.0)
     try:
         receiver.start("r1", sender.address, [0, 1], "t1", num_tokens=8)
-        deadline = time.monotonic() + 5
-        while ("r1", "t1") not in sender.pulls and time.monotonic() < deadline:
-            sender.poll()
-            receiver.poll()
-            time.sleep(0.005)
-        assert ("r1", "t1") in sender.pulls
+        pump(sender, receiver, until=lambda d, f: ("r1", "t1") in sender.pulls)
         # D stalls (no polls, so no KeepAlive) past P's lease: P's pending pull ends with an error.
-        time.sleep(0.4)
+        clock.advance(0.29)
+        sender.poll()
+        assert ("r1", "t1") in sender.pulls and sender.stats.leases_expired == 0  # not before the lease
+        clock.advance(0.02)
         sender.poll()
         assert ("r1", "t1") not in sender.pulls and ("r1", "t1") in sender.ended
-        failed = []
-        while not failed and time.monotonic() < deadline:
-            failed = receiver.poll()[1]
-            time.sleep(0.005)
+        _, failed = pump(receiver)
         assert [f.req_id for f in failed] == ["r1"] and failed[0].retryable and "prefill" in failed[0].reason
         # A finished prefill arriving after that is for an attempt that already ended: it is held
         # under its own lease and freed on expiry, never sent.
         sender.hold("r1", [0, 1], 8, 3, "t1")
-        time.sleep(0.4)
+        sender.poll()
+        assert not released and sender.held  # held until its own lease ends
+        clock.advance(0.31)
         sender.poll()
         assert released == ["r1"] and not sender.held
     finally:

@@ -15,24 +15,14 @@ import uuid
 import msgspec
 import zmq
 from conftest import random_prompts
-from pd_harness import (
-    ThreadedEngines,
-    client_for,
-    generate_all,
-    running_client,
-    wait_blocks_free,
-    wait_ready,
-    wait_until,
-)
+from kv_harness import VOCAB, greedy, pd_pair
+from pd_harness import generate_all, wait_blocks_free, wait_until
 
 from engine import messages as em
-from engine.config import EngineConfig
-from engine.types import SamplingParams
 from kv_transfer import messages as m
 
-VOCAB = 384
 NEW = 12
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+GREEDY = greedy(NEW)
 DECOY_LEN = 20  # prompt tokens of a decoy: 2 blocks of 16
 BATCH = 400     # hostile messages in flight at once (below ZMQ's default high-water mark of 1000)
 
@@ -125,12 +115,6 @@ def pump(sock: zmq.Socket, until, timeout: float, what: str) -> list[tuple[bytes
 
 def test_fuzz_decode_and_prefill_kv_ports(checkpoints, references, tmp_path):
     model = str(checkpoints["qwen2"])
-    engines = ThreadedEngines(tmp_path)
-    common = dict(model=model, max_model_len=256, num_threads=1)
-    prefill = engines.add("prefill", "prefill-0", EngineConfig(**common))
-    decode = engines.add("decode", "decode-0", EngineConfig(**common, max_num_seqs=8))
-    engines.start()
-    client = client_for(engines.server_addr, model, "pd", 256)
     ctx = zmq.Context()
     fake_p = ctx.socket(zmq.ROUTER)
     fake_p.setsockopt(zmq.LINGER, 0)
@@ -138,13 +122,13 @@ def test_fuzz_decode_and_prefill_kv_ports(checkpoints, references, tmp_path):
     fake_p.bind(fake_addr)
     rng = random.Random(14)
     decoys = {f"decoy-{i}": uuid.uuid4().hex[:16] for i in range(Fuzzer.NUM_INVALID)}
-    fuzz = Fuzzer(rng, list(decode.core.runner.kv_cache.shape), decoys)
-    stats = decode.connector.receiver.stats
     prompts = random_prompts(12, 5, 120, VOCAB, 142)
     results: list = []
     try:
-        with running_client(client) as run:
-            run(wait_ready(client))
+        with pd_pair(tmp_path, model, 256, decode=dict(max_num_seqs=8)) as pd:
+            run, client, prefill, decode, engines = pd.run, pd.client, pd.prefill, pd.decode, pd.engines
+            fuzz = Fuzzer(rng, list(decode.core.runner.kv_cache.shape), decoys)
+            stats = decode.connector.receiver.stats
 
             async def submit_decoys():
                 for req, tid in decoys.items():
@@ -185,7 +169,6 @@ def test_fuzz_decode_and_prefill_kv_ports(checkpoints, references, tmp_path):
             assert not decode.connector.receiver.pulls and not decode.connector.queued
     finally:
         fake_p.close(0)
-        engines.stop()
         ctx.term()
 
 

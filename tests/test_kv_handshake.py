@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import torch
 import zmq
 from conftest import make_checkpoint
+from kv_harness import FakeClock, kv_shape, pump
 from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig, ModelConfig
@@ -18,26 +18,15 @@ from kv_transfer.handshake import compat_description, compat_hash, describe_diff
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 
-SHAPE = (2, 2, 8, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
+SHAPE = kv_shape()
 
 
-def pump(sender: KVSender, receiver: KVReceiver, timeout: float = 5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        sender.poll()
-        done, failed = receiver.poll()
-        if done or failed:
-            return done, failed
-        time.sleep(0.005)
-    return [], []
-
-
-def test_prefill_restarted_with_the_right_key_is_used_again(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(receiver_mod, "REJECT_BACKOFF_S", 0.3)
+def test_prefill_restarted_with_the_right_key_is_used_again(tmp_path: Path):
     ctx = zmq.Context()
     addr = f"ipc://{tmp_path}/p-kv"
     src, dst = torch.randn(SHAPE), torch.zeros(SHAPE)
-    receiver = KVReceiver(ctx, dst, "h", "{}", "decode-0", key="right")
+    clock = FakeClock()  # the receiver's backoff after a refusal runs on it
+    receiver = KVReceiver(ctx, dst, "h", "{}", "decode-0", key="right", clock=clock)
     wrong = KVSender(ctx, addr, src, "h", "{}", "prefill-0", lambda *_: None, key="wrong")
     try:
         wrong.hold("r1", [0, 1], 8, 3, "t1")
@@ -50,7 +39,7 @@ def test_prefill_restarted_with_the_right_key_is_used_again(tmp_path: Path, monk
             receiver.start("r2", addr, [2, 3], "t2", 8)  # within the backoff: refused at once, no hang
             done, failed = pump(right, receiver)
             assert not done and "refused the handshake" in failed[0].reason
-            time.sleep(0.35)
+            clock.advance(receiver_mod.REJECT_BACKOFF_S + 0.01)
             right.hold("r3", [4, 5], 8, 3, "t3")
             receiver.start("r3", addr, [4, 5], "t3", 8)
             done, failed = pump(right, receiver)

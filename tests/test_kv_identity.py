@@ -8,6 +8,7 @@ import time
 
 import torch
 from conftest import random_prompts
+from kv_harness import VOCAB, greedy
 from pd_harness import (
     ThreadedEngines,
     client_for,
@@ -20,14 +21,13 @@ from pd_harness import (
 
 from engine import messages as em
 from engine.config import EngineConfig
-from engine.types import EngineRole, SamplingParams
+from engine.types import EngineRole
 from server.engine_router import EngineState, Instance
 from server.metrics import ServerMetrics
 from server.pd_client import RemoteEngineClient, Tracked
 
-VOCAB = 384
 NEW = 12
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+GREEDY = greedy(NEW)
 
 
 def install_stall(proc, state: dict) -> None:

@@ -12,15 +12,8 @@ import pytest
 import torch
 import zmq
 from conftest import random_prompts
-from pd_harness import (
-    ThreadedEngines,
-    client_for,
-    generate_all,
-    running_client,
-    wait_blocks_free,
-    wait_ready,
-    wait_until,
-)
+from kv_harness import VOCAB, FakePrefill, greedy, kv_shape, layer_message, pd_pair, pump
+from pd_harness import ThreadedEngines, generate_all, wait_blocks_free, wait_until
 
 from engine import messages as em
 from engine.config import EngineConfig
@@ -28,37 +21,28 @@ from engine.types import KVTransferMode, SamplingParams
 from kv_transfer import messages as m
 from kv_transfer.layer_stream import LayerStreamer
 from kv_transfer.receiver import KVReceiver
-from kv_transfer.sender import KVSender, frames_checksum
+from kv_transfer.sender import KVSender
 
-VOCAB = 384
 NEW = 12
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-SHAPE = (3, 2, 8, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
+GREEDY = greedy(NEW)
+SHAPE = kv_shape(3)  # a middle layer too
 
 
 def run_pd(tmp_path, model: str, batches, mode: str, spec: str | None = "mtp", decode_kwargs=None, prefill_hook=None,
            **prefill_kv):
     """Each batch of prompts runs after the previous one finished; `prefill_hook(prefill)` runs
     before the engines start."""
-    engines = ThreadedEngines(tmp_path)
-    common = dict(model=model, max_model_len=320, num_threads=1, speculative_method=spec, num_speculative_tokens=1)
-    prefill = engines.add("prefill", "prefill-0", EngineConfig(**common, max_num_batched_tokens=64),
-                          kv_mode=mode, kv_checksum=True, **{"kv_layerwise_min_tokens": 0, **prefill_kv})
-    decode = engines.add("decode", "decode-0", EngineConfig(**common, max_num_seqs=4), **(decode_kwargs or {}))
-    if prefill_hook is not None:
-        prefill_hook(prefill)
-    engines.start()
-    client = client_for(engines.server_addr, model, "pd", 320)
-    try:
-        with running_client(client) as run:
-            run(wait_ready(client))
-            results = [r for batch in batches for r in run(generate_all(client, batch, GREEDY, concurrency=4))]
-            run(wait_blocks_free(client, timeout=10))
-            assert_nothing_left(prefill)
-            hits = {"prefix_cache_hit_blocks": prefill.core.block_manager.num_hit_blocks}
-            return results, {**prefill.connector.counters(), **hits}, decode.connector.counters()
-    finally:
-        engines.stop()
+    spec_config = dict(speculative_method=spec, num_speculative_tokens=1)
+    with pd_pair(tmp_path, model, 320, prefill=dict(spec_config, max_num_batched_tokens=64),
+                 decode=dict(spec_config, max_num_seqs=4), decode_kv=decode_kwargs,
+                 prefill_kv=dict(kv_mode=mode, kv_checksum=True, **{"kv_layerwise_min_tokens": 0, **prefill_kv}),
+                 before_start=None if prefill_hook is None else lambda prefill, _decode: prefill_hook(prefill)) as pd:
+        run, client, prefill = pd.run, pd.client, pd.prefill
+        results = [r for batch in batches for r in run(generate_all(client, batch, GREEDY, concurrency=4))]
+        run(wait_blocks_free(client, timeout=10))
+        assert_nothing_left(prefill)
+        hits = {"prefix_cache_hit_blocks": prefill.core.block_manager.num_hit_blocks}
+        return results, {**prefill.connector.counters(), **hits}, pd.decode.connector.counters()
 
 
 def assert_nothing_left(prefill) -> None:
@@ -148,30 +132,24 @@ def test_partial_stream_ends_in_the_failure_path_with_every_block_back(checkpoin
     """P streams only layer 0: D never sees the transfer complete, gives up at its deadline, tells
     P to release; the client gets a clear error and no block stays taken on either side."""
     model = str(checkpoints["qwen2"])
-    engines = ThreadedEngines(tmp_path)
-    cfg = dict(model=model, max_model_len=128, num_threads=1)
-    prefill = engines.add("prefill", "prefill-0", EngineConfig(**cfg), kv_mode="layerwise", kv_layerwise_min_tokens=0,
-                          kv_lease_s=30.0)
-    decode = engines.add("decode", "decode-0", EngineConfig(**cfg), kv_deadline_s=1.5)
-    publish = prefill.connector.sender.publish_layer
 
-    def first_layer_only(req_id, transfer_id, layer, *args, **kwargs):
-        if layer == 0:
-            publish(req_id, transfer_id, layer, *args, **kwargs)
+    def first_layer_only(prefill, _decode):
+        publish = prefill.connector.sender.publish_layer
 
-    monkeypatch.setattr(prefill.connector.sender, "publish_layer", first_layer_only)
-    engines.start()
-    client = client_for(engines.server_addr, model, "pd", 128)
-    try:
-        with running_client(client) as run:
-            run(wait_ready(client))
-            results = run(generate_all(client, random_prompts(2, 20, 60, VOCAB, 154), GREEDY, timeout=60))
-            assert all(r["finish_reason"] == "error" and "timed out" in r["error"] for r in results), results
-            run(wait_blocks_free(client, timeout=10))
-            assert not decode.connector.receiver.pulls and not prefill.connector.sender.held
-            assert decode.connector.receiver.stats.layers_received > 0
-    finally:
-        engines.stop()
+        def publish_layer_0(req_id, transfer_id, layer, *args, **kwargs):
+            if layer == 0:
+                publish(req_id, transfer_id, layer, *args, **kwargs)
+
+        monkeypatch.setattr(prefill.connector.sender, "publish_layer", publish_layer_0)
+
+    with pd_pair(tmp_path, model, 128, prefill_kv=dict(kv_mode="layerwise", kv_layerwise_min_tokens=0, kv_lease_s=30.0),
+                 decode_kv=dict(kv_deadline_s=1.5), before_start=first_layer_only) as pd:
+        run, client, prefill, decode = pd.run, pd.client, pd.prefill, pd.decode
+        results = run(generate_all(client, random_prompts(2, 20, 60, VOCAB, 154), GREEDY, timeout=60))
+        assert all(r["finish_reason"] == "error" and "timed out" in r["error"] for r in results), results
+        run(wait_blocks_free(client, timeout=10))
+        assert not decode.connector.receiver.pulls and not prefill.connector.sender.held
+        assert decode.connector.receiver.stats.layers_received > 0
 
 
 def test_a_layer_corrupted_on_the_wire_is_caught_before_admission(checkpoints, references, tmp_path, monkeypatch):
@@ -190,28 +168,19 @@ def test_a_layer_corrupted_on_the_wire_is_caught_before_admission(checkpoints, r
 
     monkeypatch.setattr(LayerStreamer, "_send_frames", flip_first_layer_frame)
     model = str(checkpoints["qwen2"])
-    engines = ThreadedEngines(tmp_path)
-    cfg = dict(model=model, max_model_len=128, num_threads=1)
-    engines.add("prefill", "prefill-0", EngineConfig(**cfg), kv_mode="layerwise", kv_layerwise_min_tokens=0,
-                kv_checksum=True)
-    decode = engines.add("decode", "decode-0", EngineConfig(**cfg))
-    engines.start()
-    client = client_for(engines.server_addr, model, "pd", 128)
     prompts = random_prompts(3, 20, 60, VOCAB, 155)
-    try:
-        with running_client(client) as run:
-            run(wait_ready(client))
-            results = run(generate_all(client, prompts, GREEDY, concurrency=1, timeout=60))
-            assert flipped["n"] == 1 and decode.connector.receiver.stats.checksum_mismatches == 1
-            for p, r in zip(prompts, results):
-                if r["error"] is None:
-                    references["qwen2"].assert_matches(p, r["tokens"], NEW)
-                else:
-                    assert "checksum mismatch" in r["error"], r
-            assert sum(r["error"] is None for r in results) >= 2
-            run(wait_blocks_free(client, timeout=10))
-    finally:
-        engines.stop()
+    with pd_pair(tmp_path, model, 128,
+                 prefill_kv=dict(kv_mode="layerwise", kv_layerwise_min_tokens=0, kv_checksum=True)) as pd:
+        run, client = pd.run, pd.client
+        results = run(generate_all(client, prompts, GREEDY, concurrency=1, timeout=60))
+        assert flipped["n"] == 1 and pd.decode.connector.receiver.stats.checksum_mismatches == 1
+        for p, r in zip(prompts, results):
+            if r["error"] is None:
+                references["qwen2"].assert_matches(p, r["tokens"], NEW)
+            else:
+                assert "checksum mismatch" in r["error"], r
+        assert sum(r["error"] is None for r in results) >= 2
+        run(wait_blocks_free(client, timeout=10))
 
 
 def test_decode_vanishing_mid_stream_leaves_nothing_held_on_prefill(checkpoints, tmp_path):
@@ -265,57 +234,6 @@ def test_decode_vanishing_mid_stream_leaves_nothing_held_on_prefill(checkpoints,
 # -- the receiver alone, against a hand-driven prefill port ------------------------------------
 
 
-class FakePrefill:
-    """A ROUTER speaking P's side of the protocol by hand, to send anything in any order."""
-
-    def __init__(self, ctx: zmq.Context, addr: str) -> None:
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(addr)
-        self.peer: bytes | None = None
-
-    def expect(self, kind: type, receiver: KVReceiver, timeout: float = 5.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            receiver.poll()
-            if self.sock.poll(20):
-                identity, payload = self.sock.recv_multipart()
-                msg = m.decode(payload)
-                if isinstance(msg, m.Hello):
-                    self.peer = identity
-                    self.sock.send_multipart([identity, m.encode(m.HelloAck("prefill-0"))])
-                if isinstance(msg, kind):
-                    return msg
-        raise TimeoutError(f"no {kind.__name__} from the receiver")
-
-    def send(self, *frames) -> None:
-        self.sock.send_multipart([self.peer, *frames])
-
-
-def layer_message(src: torch.Tensor, req: str, layer: int, start: int, end: int, n: int, checksum=True):
-    blocks = torch.arange(src.shape[2])
-    pos = torch.arange(start, end)
-    slots = blocks[pos // SHAPE[3]] * SHAPE[3] + pos % SHAPE[3]
-    kv = src[layer].reshape(2, -1, *SHAPE[4:]).index_select(1, slots).contiguous()
-    frame = kv.numpy().tobytes()
-    header = m.KVLayer(req, "t", "prefill-0", layer, start, end, n, "float32",
-                       frames_checksum([frame]) if checksum else None)
-    return [m.encode(header), frame]
-
-
-def pump_until(receiver: KVReceiver, predicate, timeout: float = 5.0) -> tuple[list, list]:
-    done, failed = [], []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        d, f = receiver.poll()
-        done += d
-        failed += f
-        if predicate(done, failed):
-            return done, failed
-        time.sleep(0.01)
-    raise TimeoutError("receiver did not get there")
-
-
 def test_layers_in_any_order_and_bad_frames_rejected_without_ending_the_loop(tmp_path):
     ctx = zmq.Context()
     fake = FakePrefill(ctx, f"ipc://{tmp_path}/p")
@@ -335,7 +253,7 @@ def test_layers_in_any_order_and_bad_frames_rejected_without_ending_the_loop(tmp
         fake.send(*layer_message(src, "other", 0, 0, 4, n))            # a transfer nobody expects: dropped
         for piece in pieces:
             fake.send(*piece)
-        done, _ = pump_until(receiver, lambda d, f: d)
+        done, _ = pump(receiver, until=lambda d, f: d)
         assert [(c.req_id, c.t0, c.num_tokens) for c in done] == [("r1", 7, n)]
         flat = dst.view(3, 2, -1, *SHAPE[4:])
         assert torch.equal(flat[:, :, :n], src.view(3, 2, -1, *SHAPE[4:])[:, :, :n])
@@ -347,14 +265,14 @@ def test_layers_in_any_order_and_bad_frames_rejected_without_ending_the_loop(tmp
         fake.expect(m.PullKV, receiver)
         bad = layer_message(src, "r2", 0, 0, 5, 5)
         fake.send(bad[0], bad[1][:-4])                                 # truncated
-        _, failed = pump_until(receiver, lambda d, f: f)
+        _, failed = pump(receiver, until=lambda d, f: f)
         assert failed[0].req_id == "r2" and "truncated" in failed[0].reason
         assert fake.expect(m.Release, receiver).req_id == "r2"
         receiver.start("r3", f"ipc://{tmp_path}/p", [6, 7], "t", 5)
         fake.expect(m.PullKV, receiver)
         corrupt = layer_message(src, "r3", 2, 0, 5, 5)
         fake.send(corrupt[0], bytes(len(corrupt[1])))                  # right size, wrong bytes
-        _, failed = pump_until(receiver, lambda d, f: f)
+        _, failed = pump(receiver, until=lambda d, f: f)
         assert "checksum" in failed[0].reason and receiver.stats.checksum_mismatches == 1
         assert not receiver.pulls
     finally:
@@ -382,11 +300,11 @@ def test_sender_streams_layers_queued_before_and_after_the_pull(tmp_path):
         for layer in range(3):
             chunk(layer, 0, 6)                           # chunk 1, before anyone asked
         receiver.start("r", sender.address, blocks, "t", n)
-        pump_until(receiver, lambda d, f: (sender.poll(), receiver.stats.layers_received == 3)[-1])
+        pump(receiver, until=lambda d, f: (sender.poll(), receiver.stats.layers_received == 3)[-1])
         for layer in range(3):
             chunk(layer, 6, n)                           # chunk 2, on the route
         sender.hold("r", blocks, n, 9, "t")
-        done, _ = pump_until(receiver, lambda d, f: (sender.poll(), d)[-1])
+        done, _ = pump(receiver, until=lambda d, f: (sender.poll(), d)[-1])
         assert done[0].t0 == 9 and receiver.stats.layers_received == 6
         assert torch.equal(dst[:, :, :2], src[:, :, :2]) and torch.equal(dst[:, :, 2, :2], src[:, :, 2, :2])
         wait = time.monotonic() + 5
@@ -413,24 +331,24 @@ def test_a_pull_from_a_new_connection_gets_the_whole_transfer_and_p_death_ends_i
     n, blocks = 8, [0, 1]
     try:
         first.start("r", sender.address, blocks, "t", n)
-        pump_until(first, lambda d, f: (sender.poll(), ("r", "t") in sender.pulls)[-1])
+        pump(first, until=lambda d, f: (sender.poll(), ("r", "t") in sender.pulls)[-1])
         sender.publish_layer("r", "t", 0, 0, n, n, src[0].reshape(2, -1, *SHAPE[4:])[:, :n].clone())
-        pump_until(first, lambda d, f: first.stats.layers_received == 1)
+        pump(first, until=lambda d, f: first.stats.layers_received == 1)
         second.start("r", sender.address, blocks, "t", n)  # the same transfer, from a new connection
-        pump_until(second, lambda d, f: (sender.poll(), ("r", "t") in sender.pulls)[-1] and
+        pump(second, until=lambda d, f: (sender.poll(), ("r", "t") in sender.pulls)[-1] and
                    sender.pulls[("r", "t")].requester != sender.first_puller[("r", "t")])
         sender.hold("r", blocks, n, 4, "t")
-        done, _ = pump_until(second, lambda d, f: (sender.poll(), d)[-1])
+        done, _ = pump(second, until=lambda d, f: (sender.poll(), d)[-1])
         assert done[0].t0 == 4 and second.stats.layers_received == 0  # the whole transfer, in one message
         assert torch.equal(dst[:, :, :2], src[:, :, :2])
 
         second.start("r2", sender.address, [2, 3], "t", n)
-        pump_until(second, lambda d, f: (sender.poll(), ("r2", "t") in sender.pulls)[-1])
+        pump(second, until=lambda d, f: (sender.poll(), ("r2", "t") in sender.pulls)[-1])
         sender.publish_layer("r2", "t", 0, 0, 4, n, src[0].reshape(2, -1, *SHAPE[4:])[:, :4].clone())
-        pump_until(second, lambda d, f: second.stats.layers_received == 1)
+        pump(second, until=lambda d, f: second.stats.layers_received == 1)
         sender.close()  # P dies with the stream half sent
         sender = None
-        _, failed = pump_until(second, lambda d, f: f, timeout=5)
+        _, failed = pump(second, until=lambda d, f: f, timeout=5)
         assert failed[0].req_id == "r2" and "timed out" in failed[0].reason and not second.pulls
     finally:
         for r in (first, second):
@@ -462,7 +380,7 @@ def test_hidden_states_stand_in_for_the_mtp_layers_kv(layerwise, tmp_path):
                     sender.publish_layer(req_id, "t", layer, 0, n, n, kv)
             receiver.start(req_id, sender.address, blocks, "t", n)
             sender.hold(req_id, blocks, n, 9, "t", hidden)
-            done, failed = pump_until(receiver, lambda d, f: (sender.poll(), d or f)[-1])
+            done, failed = pump(receiver, until=lambda d, f: (sender.poll(), d or f)[-1])
             dst = receiver.kv_cache
             if size == 16:
                 assert not failed and torch.equal(done[0].hidden, hidden) and done[0].t0 == 9

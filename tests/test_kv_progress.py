@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 import zmq
-from test_kv_layerwise import SHAPE, FakePrefill, layer_message
+from kv_harness import FakeClock, FakePrefill, kv_shape, layer_message, pump, settle
 
 from kv_transfer import messages as m
 from kv_transfer import sender as sender_module
@@ -20,40 +20,7 @@ from kv_transfer.connector import advertised
 from kv_transfer.receiver import RESUME_AFTER_S, KVReceiver
 from kv_transfer.sender import KVSender, missing
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def pump(*parties, until, timeout: float = 5.0) -> tuple[list, list]:
-    """Poll every sender and receiver until `until(done, failed)` holds (real time, bounded)."""
-    done, failed = [], []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for party in parties:
-            if isinstance(party, KVReceiver):
-                d, f = party.poll()
-                done += d
-                failed += f
-            else:
-                party.poll()
-        if until(done, failed):
-            return done, failed
-        time.sleep(0.005)
-    raise TimeoutError("the transfer did not get there")
-
-
-def settle(*parties, seconds: float = 0.1) -> tuple[list, list]:
-    """Let in-flight messages arrive and be handled (real time)."""
-    deadline = time.monotonic() + seconds
-    return pump(*parties, until=lambda d, f: time.monotonic() > deadline, timeout=seconds + 5)
+SHAPE = kv_shape(3)
 
 
 @pytest.fixture

@@ -9,26 +9,20 @@ from pathlib import Path
 
 import torch
 import zmq
+from kv_harness import FakeClock, kv_shape, pump
 
 from kv_transfer import messages as m
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 
-SHAPE = (2, 2, 8, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
+SHAPE = kv_shape()
 
 
-def transfer(sender: KVSender, receiver: KVReceiver, req_id: str, blocks: list[int], timeout: float = 5.0):
-    """Hold on P, pull on D, pump both until D has it; returns (done, failed, seconds)."""
-    start = time.monotonic()
+def transfer(sender: KVSender, receiver: KVReceiver, req_id: str, blocks: list[int]) -> tuple[list, list]:
+    """Hold on P, pull on D, pump both until D has it or gave up; returns (done, failed)."""
     sender.hold(req_id, blocks, len(blocks) * SHAPE[3], t0=7)
     receiver.start(req_id, sender.address, blocks)
-    while time.monotonic() - start < timeout:
-        sender.poll()
-        done, failed = receiver.poll()
-        if done or failed:
-            return done, failed, time.monotonic() - start
-        time.sleep(0.005)
-    return [], [], time.monotonic() - start
+    return pump(sender, receiver)
 
 
 def test_decode_re_handshakes_with_a_prefill_restarted_at_the_same_address(tmp_path: Path):
@@ -40,10 +34,13 @@ def test_decode_re_handshakes_with_a_prefill_restarted_at_the_same_address(tmp_p
     def release(req_id: str, _blocks: list[int]) -> None:
         released.append(req_id)
 
-    receiver = KVReceiver(ctx, dst, "h", "d", "decode-0", deadline_s=60.0)
+    # D's clock stands still: whatever D does, no timer of its own (deadline, resume, re-Hello)
+    # can be what gets the second transfer through; only the messages can.
+    clock = FakeClock()
+    receiver = KVReceiver(ctx, dst, "h", "d", "decode-0", deadline_s=60.0, clock=clock)
     first = KVSender(ctx, addr, src, "h", "d", "prefill-0", release)
     try:
-        done, failed, _ = transfer(first, receiver, "r1", [0, 1])
+        done, failed = transfer(first, receiver, "r1", [0, 1])
         assert [d.req_id for d in done] == ["r1"] and not failed
         deadline = time.monotonic() + 5
         while not released and time.monotonic() < deadline:  # D's ack frees r1's blocks on P
@@ -53,9 +50,11 @@ def test_decode_re_handshakes_with_a_prefill_restarted_at_the_same_address(tmp_p
         src2 = torch.randn(SHAPE)
         second = KVSender(ctx, addr, src2, "h", "d", "prefill-0", release)
         try:
-            done, failed, seconds = transfer(second, receiver, "r2", [2, 3])
+            done, failed = transfer(second, receiver, "r2", [2, 3])
             assert [d.req_id for d in done] == ["r2"] and not failed, (done, failed)
-            assert seconds < 5.0  # far inside the 60 s deadline: no hang
+            # At once: D's clock never moved, so no deadline or timer of D's got it through (a pull
+            # resumed on the reconnect is message-driven), and nothing was given up on the way.
+            assert clock.now == 1000.0 and receiver.stats.transfers_stalled == 0
             assert torch.equal(dst[:, :, 2:4], src2[:, :, 2:4])
             # Either D saw the reconnect and said Hello before pulling, or its stale pull was refused
             # and retried after Hello: which comes first is a race between D's monitor and its pull.

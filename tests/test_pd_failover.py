@@ -259,40 +259,56 @@ def test_decode_killed_mid_stream_every_stream_completes_exactly(cluster):
 
 
 def test_prefill_killed_holding_requests_after_t0_every_stream_completes_exactly(cluster):
-    """P streamed t0 and holds the KV while D has no memory for it yet: P dies, D's pull cannot
-    happen, and the request is resumed (prompt prefilled again on the other P, t0 handed over)."""
-    client = cluster.client
+    """P streamed t0 and holds the KV while D has not pulled it yet: P dies, D's pull cannot
+    happen, and the request is resumed (prompt prefilled again on the other P, t0 handed over).
+
+    Made to happen at a known point: both D processes are stopped (SIGSTOP) before the streams
+    start, so no KV can be pulled; once every stream has its t0, every prompt's KV is held on its
+    P, and the P holding the most is killed before the D processes go on. While they are stopped
+    the front end's dead-after bound is lifted (a stopped D sends no heartbeat), and it is put
+    back once both have heart-beaten again: the dead P, silent since the kill, is then declared
+    dead and its requests resumed."""
+    cluster.restore()
+    client, router = cluster.client, cluster.client.router
+    decodes = ("decode-0", "decode-1")
+    dead_after_s = router.dead_after_s
     killed = {}
 
-    async def kill_a_prefill_holding_kv(progress: list[int]):
-        def holding() -> dict[str, int]:
-            out = {"prefill-0": 0, "prefill-1": 0}
-            for t in list(client.tracked.values()):
-                if t.streamed and not t.decode_started and t.prefill in out:
-                    out[t.prefill] += 1
-            return out
+    def holding() -> dict[str, int]:
+        out = {"prefill-0": 0, "prefill-1": 0}
+        for t in list(client.tracked.values()):
+            if t.streamed and not t.decode_started and t.prefill in out:
+                out[t.prefill] += 1
+        return out
 
-        # Streams with their t0 whose D has not started are waiting for D memory, their KV held on P.
-        # (Not "once every stream has its t0": by then, on a loaded box, D may have taken most of them.)
-        await wait_for(lambda: sum(holding().values()) >= 3, 30, "prefills holding KV after t0")
+    async def kill_a_prefill_holding_kv(progress: list[int]):
+        await wait_for(lambda: all(progress), 45, "every stream's t0 (from P, D being stopped)")
         counts = holding()
         killed["name"] = max(counts, key=counts.get)
-        killed["held"] = counts[killed["name"]]
+        killed["held"], killed["all"] = counts[killed["name"]], sum(counts.values())
         cluster.group.kill(killed["name"])
+        thawed = time.monotonic()
+        for name in decodes:
+            cluster.group.resume(name)
+        await wait_for(lambda: all(client.table[name].last_seen > thawed for name in decodes), 30,
+                       "both decode engines to heart-beat again")
+        router.dead_after_s = dead_after_s
 
-    # The kill races with D's pulls: D may take every held request between the count and the kill
-    # (then nothing needs resuming). Each try must still complete every stream exactly; one of
-    # at most three must have made a resume happen.
-    for _ in range(3):
-        cluster.restore()
-        resumed_before = client.num_resumed
+    resumed_before = client.num_resumed
+    router.dead_after_s = 3600.0
+    try:
+        for name in decodes:
+            cluster.group.pause(name)
         results = asyncio.run(stream_all(cluster.server.url, cluster.prompts, kill_a_prefill_holding_kv))
-        assert_same_streams(results, cluster.undisturbed)
-        assert client.num_failed_after_resume == 0
-        assert asyncio.run(_blocks_free(client))
-        if client.num_resumed > resumed_before:
-            break
-    assert client.num_resumed - resumed_before >= 1, killed
+    finally:
+        for name in decodes:
+            cluster.group.resume(name)
+        router.dead_after_s = dead_after_s
+    assert killed["all"] == NUM_STREAMS and killed["held"] > 0, killed  # every prompt's KV held on a P
+    assert_same_streams(results, cluster.undisturbed)
+    assert client.num_failed_after_resume == 0
+    assert asyncio.run(_blocks_free(client))
+    assert client.num_resumed - resumed_before >= killed["held"], killed  # each stream it held was resumed
 
 
 def test_with_every_decode_dead_requests_wait_for_one_to_come_back(cluster):

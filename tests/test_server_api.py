@@ -19,6 +19,7 @@ from conftest import make_checkpoint
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from local_client import LocalEngineClient
+from pd_harness import wait_until
 from test_detokenizer import make_tokenizer
 
 from engine.config import EngineConfig
@@ -103,8 +104,9 @@ def http(server):
         yield c
 
 
-def wait_idle(engine, timeout: float = 2.0) -> InstanceInfo:
-    """Bounded wait until the engine holds no request and every KV block is free."""
+def wait_idle(engine, timeout: float = 30.0) -> InstanceInfo:
+    """Bounded wait until the engine holds no request and every KV block is free (the bound only
+    keeps a broken release from hanging the test; how fast it happens is not under test)."""
     deadline = time.monotonic() + timeout
     while True:
         info = engine.instances()[0]
@@ -582,7 +584,7 @@ def test_cut_streams_free_every_block(server, engine):
     finally:
         for c in clients:
             c.close()
-    wait_idle(engine, timeout=2.0)
+    wait_idle(engine)
 
 
 class GatedClient:
@@ -636,17 +638,14 @@ def test_capacity_limit_gives_429_and_cut_streams_release():
                 oai.completions.create(model=MODEL, prompt=[5], max_tokens=2)
         # Cutting the stream closed the client's generator (the engine request is aborted) and
         # released the slot.
-        deadline = time.monotonic() + 2
-        while not gated.closed_early or s.app.state.serving.in_flight:
-            assert time.monotonic() < deadline, (gated.closed_early, s.app.state.serving.in_flight)
-            time.sleep(0.01)
+        wait_until(lambda: gated.closed_early and not s.app.state.serving.in_flight, 30,
+                   "the cut stream to close its generator and release its slot")
+        assert len(gated.closed_early) == 1
         # A non-streaming client that gives up is noticed too (polled while waiting).
         with pytest.raises(httpx.ReadTimeout):
             http.post("/v1/completions", json={"prompt": [5]}, timeout=0.3)
-        deadline = time.monotonic() + 3
-        while len(gated.closed_early) < 2 or s.app.state.serving.in_flight:
-            assert time.monotonic() < deadline, (gated.closed_early, s.app.state.serving.in_flight)
-            time.sleep(0.01)
+        wait_until(lambda: len(gated.closed_early) >= 2 and not s.app.state.serving.in_flight, 30,
+                   "the abandoned request to close its generator and release its slot")
         gated.gate.set()
         r = http.post("/v1/completions", json={"prompt": [5], "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
