@@ -181,3 +181,10 @@ def servers():
     from structured_harness import start_servers
 
     yield from start_servers()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The bundled model's tokenizer (a test module may define its own)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))

@@ -33,10 +33,6 @@ from benchmarks.mooncake_trace import load_trace, synthetic_trace, write_trace
 MODEL = "pdserve-tiny"
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))
 # The keys `vllm bench serve --save-result --save-detailed` writes that this tool writes too.
 VLLM_KEYS = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
              "burstiness", "max_concurrency", "duration", "completed", "failed", "total_input_tokens",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import BUNDLED_MODEL
 from test_server_api import KEY, GatedClient, ServerThread, _error
 
 from server.app import build_app
@@ -21,12 +20,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 class StubClient(GatedClient):
     max_model_len = 512
     vocab_size = 4096
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))
 
 
 @pytest.fixture()

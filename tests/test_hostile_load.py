@@ -105,12 +105,6 @@ class Streams:
             self.outputs.append(tokens)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))
-
-
 @pytest.fixture(scope="module", params=["colocated", "pd"])
 def server(request, tmp_path_factory, tokenizer):
     with served(tmp_path_factory.mktemp(request.param), request.param, tokenizer, MODEL, model=str(BUNDLED_MODEL),

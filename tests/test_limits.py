@@ -219,12 +219,6 @@ def test_a_response_too_large_is_refused_up_front(gated):
 # -- against the bundled model ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))
-
-
-@pytest.fixture(scope="module")
 def engine(tmp_path_factory, tokenizer):
     limits = HTTPLimits(max_stream_backlog=256)
     with served(tmp_path_factory.mktemp("limits"), "colocated", tokenizer, MODEL, app_options={"limits": limits},

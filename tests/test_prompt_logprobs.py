@@ -89,12 +89,6 @@ def bundled_ref() -> Reference:
     return Reference(BUNDLED_MODEL)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))
-
-
 @pytest.fixture(scope="module", params=["colocated", "pd"])
 def oai(request, tmp_path_factory, tokenizer):
     """The bundled model behind the HTTP API as `make serve` runs it (MTP on); a 64-token budget makes

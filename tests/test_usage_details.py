@@ -22,12 +22,6 @@ PROMPT = ("import os\nimport sys\n\n\ndef main(argv=None):\n    \"\"\"Parse the 
 BOTH = {"include_usage": True, "continuous_usage_stats": True}
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))
-
-
 @pytest.fixture(scope="module", params=["colocated", "pd"])
 def server(request, tmp_path_factory, tokenizer):
     with served(tmp_path_factory.mktemp(request.param), request.param, tokenizer, MODEL, model=str(BUNDLED_MODEL),
