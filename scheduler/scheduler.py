@@ -78,6 +78,9 @@ class RequestUpdate:
 # engine's own steps tell (StepCost): what a small model's steps cost in Python dwarfs this many
 # tokens' arithmetic, and a larger model's steps soon tell otherwise.
 DEFAULT_SHARED_PREFILL_TOKENS = 512
+# Prompts this short always share a step: their compute is small next to a step on any model, and
+# a fit over steps of a few tokens each cannot tell their cost from noise.
+MIN_SHARED_PREFILL_TOKENS = 64
 
 
 class Scheduler:
@@ -274,7 +277,8 @@ class Scheduler:
         if num_uncomputed <= 1 or self._step_prefill_tokens == 0:
             return True
         limit = self.step_cost.shared_prefill_tokens()
-        return num_uncomputed <= (DEFAULT_SHARED_PREFILL_TOKENS if limit is None else limit)
+        return num_uncomputed <= (DEFAULT_SHARED_PREFILL_TOKENS if limit is None
+                                  else max(MIN_SHARED_PREFILL_TOKENS, limit))
 
     def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []

@@ -15,7 +15,7 @@ from engine.types import SamplingParams
 from kv_transfer.connector import KVConnector
 from scheduler.block_manager import BlockManager
 from scheduler.output import RunnerOutput, SchedulerOutput
-from scheduler.scheduler import DEFAULT_SHARED_PREFILL_TOKENS, Scheduler
+from scheduler.scheduler import DEFAULT_SHARED_PREFILL_TOKENS, MIN_SHARED_PREFILL_TOKENS, Scheduler
 from scheduler.step_cost import StepCost
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -146,3 +146,10 @@ def test_the_fit_predicts_a_steps_seconds():
     cost = fitted(fixed_s=0.1, per_token_s=0.01)
     assert abs(cost.predict(200) - 2.1) < 1e-9
     assert StepCost().predict(200) is None
+
+
+def test_short_prompts_share_a_step_whatever_the_fit_says():
+    """A fit over steps of a few tokens is mostly noise: prompts this short batch regardless."""
+    sched = make_scheduler(fitted(fixed_s=0.1, per_token_s=0.01))  # break-even: 10 tokens
+    ids = add_prompts(sched, 3, MIN_SHARED_PREFILL_TOKENS)
+    assert [r.req_id for r in run_step(sched).new_requests] == ids
