@@ -214,7 +214,7 @@ def test_an_engine_compiles_before_admission_and_fails_only_the_bad_request():
     aborted without a trace; a good grammar and a plain request complete."""
     from engine.config import EngineConfig
     from engine.types import GrammarKind, GrammarSpec, SamplingParams
-    from server.local_client import LocalEngineClient
+    from local_client import LocalEngineClient
 
     client = LocalEngineClient(EngineConfig(model=str(BUNDLED_MODEL), max_model_len=256, block_size=16))
 
