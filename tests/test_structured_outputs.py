@@ -8,6 +8,7 @@ and EOS is only allowed where the grammar is complete.
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -70,6 +71,11 @@ def test_parse_pydantic_model_pd_mtp(servers):
         assert choice.finish_reason == "stop", (i, choice.message.content)
         assert isinstance(choice.message.parsed, Pet), (i, choice.message.content)
         assert choice.message.parsed == Pet.model_validate_json(choice.message.content)
+    # Engine counters reach /metrics with the engines' heartbeats: wait (bounded) for the last ones.
+    deadline = time.monotonic() + 30
+    while (servers.metric_sum("pd_mtp", "spec_decode_num_draft_tokens_total") <= drafts_before
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
     assert servers.metric_sum("pd_mtp", "spec_decode_num_draft_tokens_total") > drafts_before, \
         "the PD + MTP server verified no drafts: speculation under a grammar was not exercised"
 
