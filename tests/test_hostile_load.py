@@ -212,9 +212,10 @@ def test_an_engine_compiles_before_admission_and_fails_only_the_bad_request():
     """What a front end would have refused, sent to an engine directly: a remote `$ref` and a schema
     that does not compile each fail their own request; a request waiting for a slow compile is
     aborted without a trace; a good grammar and a plain request complete."""
+    from local_client import LocalEngineClient
+
     from engine.config import EngineConfig
     from engine.types import GrammarKind, GrammarSpec, SamplingParams
-    from local_client import LocalEngineClient
 
     client = LocalEngineClient(EngineConfig(model=str(BUNDLED_MODEL), max_model_len=256, block_size=16))
 
