@@ -11,7 +11,9 @@ from test_pd_http import Served
 # `make serve`'s defaults (PD, one prefill + one decode, MTP from the checkpoint, adaptive drafts),
 # and the other two modes the issue names.
 CONFIGS = {
-    "pd_mtp": [],
+    # Drafts on every step: the adaptive policy may judge that drafting does not pay at these batch
+    # sizes, and then nothing here would test speculation under a grammar.
+    "pd_mtp": ["--spec-policy", "fixed"],
     "pd": ["--speculative-method", "none"],
     "colocated": ["--mode", "colocated", "--speculative-method", "none"],
 }

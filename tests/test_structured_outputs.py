@@ -56,8 +56,8 @@ def _pool_map(fn, items, workers: int = 8) -> list:
 # -- the must-shows ----------------------------------------------------------------------------
 
 def test_parse_pydantic_model_pd_mtp(servers):
-    """`client.beta.chat.completions.parse(response_format=<pydantic model>)` in `make serve`'s
-    default PD + MTP configuration: 20 prompts, 20 parsed objects; MTP drafts were verified."""
+    """`client.beta.chat.completions.parse(response_format=<pydantic model>)` under PD + MTP (drafts
+    on every step): 20 prompts, 20 parsed objects; MTP drafts were verified."""
     client = servers.client("pd_mtp")
     drafts_before = servers.metric_sum("pd_mtp", "spec_decode_num_draft_tokens_total")
 
