@@ -188,3 +188,15 @@ def tokenizer():
     """The bundled model's tokenizer (a test module may define its own)."""
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))
+
+
+def bf16_drafter_with_draft_vocab(model_dir: Path, tmp_path: Path):
+    """An MTP engine whose bf16 drafter drafts over every third token of a 384-token vocabulary."""
+    import json
+
+    from engine import LLM
+
+    path = tmp_path / "draft_vocab.json"
+    path.write_text(json.dumps({"token_ids": list(range(0, 384, 3))}))
+    return LLM(str(model_dir), max_model_len=64, max_num_seqs=2, block_size=4, speculative_method="mtp",
+               num_speculative_tokens=2, draft_dtype="bfloat16", draft_vocab=str(path))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_prompts
+from conftest import bf16_drafter_with_draft_vocab, random_prompts
 
 from engine import LLM, SamplingParams
 from worker import model_loader
@@ -244,15 +244,11 @@ def test_independent_fused_drafts_are_drawn_from_q(mtp_checkpoints, tmp_path):
     """DraftMode.INDEPENDENT in the C++ chain (mtp_draft with draft_probs): q is the softmax of the
     draft head's logits at the row's temperature over the draft vocabulary, and the drafts are
     distributed as q (many rows sharing one hidden state, fresh noise each)."""
-    import json
 
     import numpy as np
     from scipy.stats import chisquare
 
-    path = tmp_path / "draft_vocab.json"
-    path.write_text(json.dumps({"token_ids": list(range(0, 384, 3))}))
-    llm = LLM(str(mtp_checkpoints["qwen2"]), max_model_len=64, max_num_seqs=2, block_size=4,
-              speculative_method="mtp", num_speculative_tokens=2, draft_dtype="bfloat16", draft_vocab=str(path))
+    llm = bf16_drafter_with_draft_vocab(mtp_checkpoints["qwen2"], tmp_path)
     runner = llm.engine.runner
     model, (k_cache, v_cache) = runner.model, runner.kv_views[-1]
     vocab_ids = model.draft_vocab

@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from conftest import random_prompts
+from conftest import bf16_drafter_with_draft_vocab, random_prompts
 
 from engine import LLM, SamplingParams
 from worker import fused_ops
@@ -170,12 +170,8 @@ def test_mtp_draft_chain_stays_in_the_draft_vocabulary(mtp_checkpoints, tmp_path
     """The C++ MTP chain (mtp_draft) over hidden states of NaN, +inf and -inf: every draft is a token of
     the draft vocabulary, and an independent draft's q is a distribution (a point mass where the
     draft head has no finite logit)."""
-    import json
 
-    path = tmp_path / "draft_vocab.json"
-    path.write_text(json.dumps({"token_ids": list(range(0, 384, 3))}))
-    llm = LLM(str(mtp_checkpoints["qwen2"]), max_model_len=64, max_num_seqs=2, block_size=4,
-              speculative_method="mtp", num_speculative_tokens=2, draft_dtype="bfloat16", draft_vocab=str(path))
+    llm = bf16_drafter_with_draft_vocab(mtp_checkpoints["qwen2"], tmp_path)
     runner = llm.engine.runner
     model, (k_cache, v_cache) = runner.model, runner.kv_views[-1]
     rows, k = 4, 2
