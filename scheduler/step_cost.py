@@ -23,30 +23,38 @@ class StepCost:
     def __init__(self, window: int = WINDOW) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._fitted: tuple[float, float] | None = None  # (fixed, per_token) seconds
+        self._stale = False  # samples came since the fit: refit when next asked, not on every step
 
     def record(self, tokens: int, seconds: float) -> None:
         """One step that scheduled `tokens` tokens and took `seconds`, schedule to update."""
         if tokens > 0:
             self._samples.append((tokens, seconds))
-            self._fitted = self._fit()
+            self._stale = True
 
     def reset(self) -> None:
         self._samples.clear()
-        self._fitted = None
+        self._fitted, self._stale = None, False
+
+    def _current(self) -> tuple[float, float] | None:
+        if self._stale:
+            self._fitted, self._stale = self._fit(), False
+        return self._fitted
 
     def shared_prefill_tokens(self) -> int | None:
         """The most tokens a prompt may have left to prefill to join a step that prefills others
         (fixed / per_token); None while the steps seen cannot tell the two parts apart."""
-        if self._fitted is None:
+        fitted = self._current()
+        if fitted is None:
             return None
-        fixed, per_token = self._fitted
+        fixed, per_token = fitted
         return round(fixed / per_token)
 
     def predict(self, tokens: int) -> float | None:
         """Seconds a step of `tokens` tokens should take; None while the fit is unknown."""
-        if self._fitted is None:
+        fitted = self._current()
+        if fitted is None:
             return None
-        fixed, per_token = self._fitted
+        fixed, per_token = fitted
         return fixed + per_token * tokens
 
     def _fit(self) -> tuple[float, float] | None:
