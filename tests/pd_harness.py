@@ -18,6 +18,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.process import EngineProcess
 from engine.types import SamplingParams
 from server.pd_client import RemoteEngineClient
+from server.procs import start_tied
 from server.protocol import EngineUnavailableError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,7 +134,7 @@ class ProcessGroup:
 
     def start(self, name: str, env: dict | None = None) -> None:
         full_env = dict(os.environ, PDSERVE_LOG_LEVEL="WARNING", **(env or {}))
-        self.procs[name] = subprocess.Popen(self.argv[name], cwd=REPO, env=full_env, start_new_session=True)
+        self.procs[name] = start_tied(self.argv[name], cwd=REPO, env=full_env, start_new_session=True)
 
     def kill(self, name: str) -> None:
         proc = self.procs[name]
