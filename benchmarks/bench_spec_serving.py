@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks import bench_serving  # noqa: E402
 from benchmarks.compare import free_port, stdlib_sharegpt, wait_healthy  # noqa: E402
 from engine.config import DEFAULT_MODEL_DIR  # noqa: E402
-from server.procs import stop_process_group  # noqa: E402
+from server.procs import start_tied, stop_process_group  # noqa: E402
 
 SERVERS = {"mtp": [], "none": ["--speculative-method", "none"]}
 BASELINE = "baseline"  # the --baseline revision's default server
@@ -71,8 +71,8 @@ def start(flags: list[str], log: Path, repo: Path = REPO) -> tuple[subprocess.Po
     env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING"}
     env.pop("PDSERVE_DEBUG_INVARIANTS", None)
     with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *flags],
-                                cwd=repo, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_tied([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *flags],
+                          cwd=repo, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, port
 
 

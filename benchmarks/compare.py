@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import bench_serving  # noqa: E402
 from benchmarks.common import RANDOM_MODEL_NOTE, ensure_tokenizer, resolve_model  # noqa: E402
-from server.procs import stop_process_group  # noqa: E402
+from server.procs import start_tied, stop_process_group  # noqa: E402
 
 logger = logging.getLogger("compare")
 RESULTS = REPO / "benchmarks" / "results"
@@ -140,8 +140,8 @@ def free_port() -> int:
 def start(server: Server, model: str, port: int, log: Path) -> subprocess.Popen:
     env = dict(os.environ, PDSERVE_LOG_LEVEL="WARNING", **server.env)
     env.pop("PDSERVE_DEBUG_INVARIANTS", None)  # measure the production path, not the debug checks
-    return subprocess.Popen([*server.argv, "--model", model, "--port", str(port)], cwd=REPO, env=env,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return start_tied([*server.argv, "--model", model, "--port", str(port)], cwd=REPO, env=env,
+                      stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 180.0) -> None:

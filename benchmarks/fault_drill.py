@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.bench_serving import RequestResult, client_limits, send_request  # noqa: E402
 from benchmarks.common import RANDOM_MODEL_NOTE, ensure_tokenizer, resolve_model  # noqa: E402
-from server.procs import stop_process_group  # noqa: E402
+from server.procs import start_tied, stop_process_group  # noqa: E402
 
 logger = logging.getLogger("fault_drill")
 RESULTS = REPO / "benchmarks" / "results"
@@ -89,8 +89,8 @@ class Cluster:
         env = dict(os.environ, PDSERVE_LOG_LEVEL="WARNING")
         env.pop("PDSERVE_DEBUG_INVARIANTS", None)
         log = (self.log_dir / f"{name}.log").open("a")
-        self.procs[name] = subprocess.Popen(self.argv(name), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+        self.procs[name] = start_tied(self.argv(name), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
         logger.info("started %s (pid %d)", name, self.procs[name].pid)
 
     def kill9(self, name: str) -> None:
