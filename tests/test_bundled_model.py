@@ -15,6 +15,7 @@ from pd_harness import (
     client_for,
     free_port,
     generate_all,
+    guard_group,
     running_client,
     wait_blocks_free,
     wait_ready,
@@ -123,6 +124,7 @@ def test_make_serve_answers_a_completion_within_90_seconds():
     env = dict(os.environ, PDSERVE_PORT=str(port), PDSERVE_LOG_LEVEL="WARNING")
     proc = start_tied(["make", "serve"], cwd=REPO, env=env, start_new_session=True,
                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    guard = guard_group(proc.pid)
     start = time.monotonic()
     try:
         body = {"prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}
@@ -140,5 +142,7 @@ def test_make_serve_answers_a_completion_within_90_seconds():
         assert "pdserve-tiny" in r.json()["model"]
     finally:
         stop_process_group(proc)
+        guard.kill()
+        guard.wait()
     banner = proc.stdout.read().decode()
     assert f"http://127.0.0.1:{port}" in banner and "curl" in banner

@@ -18,20 +18,26 @@ from pd_harness import wait_until
 
 from server.procs import start_tied, stop_process_group
 
-# A test process in miniature: a harness cluster (two engines started on their own) and a local
-# `pdserve serve` (a front end and the two engines it starts); it prints their PIDs and waits.
+# A test process in miniature: a harness cluster (two engines started on their own), a local
+# `pdserve serve` (a front end and the two engines it starts) and a shell with a child of its own,
+# like `make serve`; it prints their PIDs and waits.
 CHILD = """
-import json, sys, tempfile, time
+import json, subprocess, tempfile, time
 from pathlib import Path
 from conftest import BUNDLED_MODEL
-from pd_harness import ProcessGroup
+from pd_harness import ProcessGroup, guard_group
 from test_pd_http import Served
+from server.procs import start_tied
 
 group = ProcessGroup(Path(tempfile.mkdtemp(prefix="pdserve-tied-")))
 group.add("prefill", "prefill-0", str(BUNDLED_MODEL))
 group.add("decode", "decode-0", str(BUNDLED_MODEL))
 served = Served(str(BUNDLED_MODEL))
-print(json.dumps({"engines": [p.pid for p in group.procs.values()], "serve": served.proc.pid}), flush=True)
+# As `make serve`: a tied leader whose own child is not tied, so its group has a guard.
+shell = start_tied(["sh", "-c", "sleep 3600 & echo $!; wait"], stdout=subprocess.PIPE, start_new_session=True)
+guard = guard_group(shell.pid)
+print(json.dumps({"engines": [p.pid for p in group.procs.values()], "serve": served.proc.pid,
+                  "untied": [shell.pid, int(shell.stdout.readline()), guard.pid]}), flush=True)
 time.sleep(3600)
 """
 
@@ -81,7 +87,7 @@ def test_killing_the_process_that_started_a_cluster_kills_every_process_of_it():
             return len(serve_engines) == 2
 
         wait_until(serve_started_its_engines, 120, "pdserve serve to start its prefill and decode engines")
-        cluster = [*pids["engines"], pids["serve"], *serve_engines]
+        cluster = [*pids["engines"], pids["serve"], *serve_engines, *pids["untied"]]
         assert all(alive(pid) for pid in cluster)
         child.send_signal(signal.SIGKILL)
         child.wait(10)
