@@ -611,6 +611,12 @@ def main() -> None:
         default="first",
         help="fair: rounds in which pdserve bench measures too, after vllm bench serve",
     )
+    ap.add_argument(
+        "--once",
+        default="",
+        help="fair: servers (short keys) measured in the first round only, e.g. a thread budget the first round "
+        "shows far behind its other budget; the report gives each cell's number of rounds",
+    )
     ap.add_argument("--timeout", type=float, default=1800.0, help="fair: seconds for one load run or conversion")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="servers' request slots (pdserve's default)")
     ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")

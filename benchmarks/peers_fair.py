@@ -427,6 +427,8 @@ def main(args: argparse.Namespace) -> None:
     for rnd in range(1 if args.quick else args.rounds):
         logger.info("round %d", rnd + 1)
         for skey in order if rnd % 2 == 0 else order[::-1]:  # nobody always goes first
+            if rnd and skey.split("/")[1] in args.once.split(","):
+                continue
             mine = [wl for wl in wls if skey in wl.systems]
             measure_server(run, skey, systems[skey], mine, rnd)
             (out / "peers.md").write_text(peers_history.report(peers_history.load(history)))

@@ -183,8 +183,8 @@ def workload_table(history: list[dict], run: dict, key: str, wl: dict[str, Any],
            "the latest that measured it."),
         "",
         "| server | threads | tok/s | ×vLLM | ×llama | TTFT p50 ms | ×vLLM | ×llama | ITL p50 | ITL p99 | TPOT | "
-        "ok / failed | client CPU | pdserve bench tok/s, TTFT p50 | tok/s, last runs | TTFT p50, last runs |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "rounds | ok / failed | client CPU | pdserve bench tok/s, TTFT p50 | tok/s, last runs | TTFT p50, last runs |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s, c in cells.items():
         lines.append(row(systems[s], c, second[s], vllm, llama, spreads=(
@@ -197,7 +197,7 @@ def workload_table(history: list[dict], run: dict, key: str, wl: dict[str, Any],
 
 def row(sys_: dict, c: dict, second: dict, vllm: list[dict], llama: list[dict], spreads: tuple[str, str]) -> str:
     if not c["measured"]:
-        return f"| {sys_['title']} | {sys_['budget']} | not run |" + " |" * 13
+        return f"| {sys_['title']} | {sys_['budget']} | not run |" + " |" * 14
     side = sys_["side"]
     tp, ttft = c["output_throughput"], c["p50_ttft_ms"]
     cells = [
@@ -208,7 +208,8 @@ def row(sys_: dict, c: dict, second: dict, vllm: list[dict], llama: list[dict], 
         "" if side == "vllm" else ratio(ttft, best(vllm, "p50_ttft_ms")),
         "" if side == "llama.cpp" else ratio(ttft, best(llama, "p50_ttft_ms")),
         fmt(c["p50_itl_ms"]), fmt(c["p99_itl_ms"]), fmt(c["mean_tpot_ms"]),
-        f"{c['completed']} / {c['failed']}", fmt(c["client_cpu_pct"], ".0f") + "%" if c["client_cpu_pct"] else "—",
+        str(c["rounds"]), f"{c['completed']} / {c['failed']}",
+        fmt(c["client_cpu_pct"], ".0f") + "%" if c["client_cpu_pct"] else "—",
         f"{fmt(second['output_throughput'])}, {fmt(second['p50_ttft_ms'])}" if second["measured"] else "—",
         *spreads,
     ]
