@@ -257,7 +257,7 @@ class DecodeConnector(KVConnector):
             handoff = self.handoffs.pop(req_id, None)
             if handoff is None:
                 continue
-            handoff.request.handoff = None  # a preempted request computes its prompt here
+            handoff.request.handoff = None  # once: after a preemption the prompt is computed here, without P's hidden
             if handoff.prefill_done_time:  # wall clock on both sides: meaningful on one host (or NTP-close hosts)
                 stats.handoff_seconds_sum += max(0.0, time.time() - handoff.prefill_done_time)
                 stats.handoff_seconds_count += 1
