@@ -141,6 +141,7 @@ class PrefillHandoff:
     # order, and the position after them.
     hidden: list[torch.Tensor] = field(default_factory=list)
     hidden_end: int = 0
+    prefill_done_time: float = 0.0  # wall clock when the forward of the prompt's last KV layer was over (0: not yet)
 
     def add_hidden(self, start: int, rows: torch.Tensor) -> None:
         """The hidden states of positions [start, start + len(rows)), in order."""

@@ -172,7 +172,7 @@ class PrefillConnector(KVConnector):
                                   ready)
 
     def on_layers_done(self, req_id: str) -> None:
-        self.sender.note_done_time(req_id, self.handoffs[req_id].request.transfer_id)
+        self.handoffs[req_id].prefill_done_time = time.time()  # what the hand-off latency is measured from
 
     def on_hidden(self, req_id: str, start: int, hidden: torch.Tensor) -> None:
         self.handoffs[req_id].add_hidden(start, hidden.to("cpu", copy=True))  # (a slice of the step's hidden states)
@@ -190,7 +190,7 @@ class PrefillConnector(KVConnector):
         n, pieces = request.num_handoff_tokens, handoff.hidden
         hidden = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)) if pieces else None
         self.sender.hold(request.req_id, list(request.block_ids), n, request.all_token_ids[n], request.transfer_id,
-                         hidden)
+                         hidden, handoff.prefill_done_time)
         return True
 
     def abort(self, req_id: str, transfer_id: str | None = None) -> None:
