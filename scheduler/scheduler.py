@@ -260,6 +260,8 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            # A PD hand-off's hidden states go to the slot once: the decode connector ends the
+            # hand-off as the request enters it (DecodeConnector.on_scheduled).
             out.new_requests.append(NewRequestData(
                 req_id=request.req_id, prompt_len=request.prompt_len, all_token_ids=list(request.all_token_ids),
                 num_computed_tokens=num_computed, block_ids=list(request.block_ids),
