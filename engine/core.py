@@ -132,13 +132,14 @@ class EngineCore:
             raise ValueError(f"sampling_params.grammar: {exc}") from None
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, req_id: str | None = None,
-                    prefill_endpoint: str = "", transfer_id: str = "",
+                    kv_endpoint: str = "", transfer_id: str = "",
                     output_token_ids: list[int] | None = None, grammar: Any = None) -> str:
-        """Validate and queue; `prefill_endpoint` (decode role) is where the prompt's KV comes from,
-        `transfer_id` (PD) names this attempt's KV transfer. `output_token_ids`: a resumed request's
-        tokens already streamed to the client (failover); generation goes on after them. `grammar`:
-        `params.grammar` compiled (`compile_grammar`); without it a grammar is compiled here, on the
-        caller's thread (the offline API and tests; an engine process compiles beforehand)."""
+        """Validate and queue; `kv_endpoint` (decode role) is the KV address of the prefill instance
+        the prompt's KV comes from, `transfer_id` (PD) names this attempt's KV transfer.
+        `output_token_ids`: a resumed request's tokens already streamed to the client (failover);
+        generation goes on after them. `grammar`: `params.grammar` compiled (`compile_grammar`);
+        without it a grammar is compiled here, on the caller's thread (the offline API and tests; an
+        engine process compiles beforehand)."""
         self.validate_prompt(prompt_token_ids, params)
         outputs = list(output_token_ids or [])
         check_resumed_outputs(outputs, len(prompt_token_ids), params.max_tokens, self.model_config.vocab_size,
@@ -149,10 +150,8 @@ class EngineCore:
         if req_id in self.scheduler.requests:
             raise ValueError(f"request_id {req_id!r} is already in use")
         request = Request(req_id, list(prompt_token_ids), params, self.model_config.eos_token_ids,
-                          output_token_ids=outputs)
-        request.kv_transfer_id = transfer_id
-        request.grammar = grammar
-        self.connector.on_new_request(request, prefill_endpoint)
+                          output_token_ids=outputs, transfer_id=transfer_id, grammar=grammar)
+        self.connector.on_new_request(request, kv_endpoint)
         try:
             self.scheduler.add_request(request)
         except ValueError:
@@ -164,7 +163,7 @@ class EngineCore:
         """Abort a request (`transfer_id`: only if it is that attempt's; the scheduler has one per id)."""
         self.connector.abort(req_id, transfer_id)
         request = self.scheduler.requests.get(req_id)
-        if transfer_id is not None and request is not None and request.kv_transfer_id != transfer_id:
+        if transfer_id is not None and request is not None and request.transfer_id != transfer_id:
             return False  # an abort of an older attempt: the request here is a newer one
         return self.scheduler.abort_request(req_id)
 

@@ -10,7 +10,7 @@ class Submit(msgspec.Struct, tag=True):
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams             # validated again when decoded
-    prefill_endpoint: str = ""         # decode role: where to pull the KV from
+    kv_endpoint: str = ""              # decode role: P's KV address (Heartbeat.kv_endpoint), to pull the KV from
     transfer_id: str = ""              # PD: this attempt's KV transfer (the same on P and D; new on a retry)
     output_token_ids: list[int] = []   # failover: tokens already streamed to the client; go on after them
 
@@ -46,7 +46,7 @@ class Output(msgspec.Struct, tag=True):
 class Heartbeat(msgspec.Struct, tag=True):
     instance: str
     role: EngineRole
-    kv_endpoint: str
+    kv_endpoint: str                   # prefill role: its KV address, where decode instances pull from ("": none)
     kv_blocks_free: int
     kv_blocks_total: int
     num_running: int

@@ -168,7 +168,7 @@ class EngineProcess:
 
     def _add(self, sub: msg.Submit, grammar: Any) -> None:
         try:
-            self.core.add_request(sub.prompt_token_ids, sub.params, sub.req_id, sub.prefill_endpoint,
+            self.core.add_request(sub.prompt_token_ids, sub.params, sub.req_id, sub.kv_endpoint,
                                   sub.transfer_id, sub.output_token_ids, grammar=grammar)
         except ValueError as e:
             self._fail(sub, str(e))

@@ -1,4 +1,5 @@
-"""The scheduler's view of one request. Plain data plus the stop check; imports only engine.types."""
+"""The scheduler's view of one request, and its side of a PD hand-off. Plain data plus the stop
+check; imports only engine.types."""
 from __future__ import annotations
 
 import enum
@@ -39,16 +40,12 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
-    # PD hand-off, set by the engine's KV connector when the request arrives:
-    # prefill role: stop after the first sampled token (t0) and hand the KV over to a decode instance.
-    remote_decode: bool = False
-    # decode role: the KV endpoint of the prefill instance the prompt's KV comes from, until it has come.
-    kv_source: str = ""
-    # prefill and decode roles: the id the front end gave this attempt's KV transfer (a retry gets a new one).
-    kv_transfer_id: str = ""
-    # decode role: the target's hidden states of the prompt's last positions that came with its KV
-    # (for the MTP drafter, which has no KV of its own for them), until the request enters a slot.
-    handoff_hidden: torch.Tensor | None = None
+    # PD: the id the front end gave this attempt (a retry gets a new one). Every output carries it,
+    # also those of a request served whole here, so it is the request's, not only its hand-off's.
+    transfer_id: str = ""
+    # PD: this engine's side of the request's hand-off, made by the engine's KV connector when the
+    # request arrives (None: the request is served whole here).
+    handoff: PrefillHandoff | DecodeHandoff | None = None
     # The compiled grammar of sampling_params.grammar (an xgrammar CompiledGrammar), compiled before
     # the request was queued: admission to a slot, inside a step, must not compile.
     grammar: Any = None
@@ -68,6 +65,22 @@ class Request:
     def computes_prompt_logprobs(self) -> bool:
         """Prompt logprobs are asked for and not yet delivered (they go out with the first token)."""
         return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
+
+    @property
+    def remote_decode(self) -> bool:
+        """Prefill role: the request stops after its first sampled token (t0); a decode instance
+        generates the rest."""
+        return isinstance(self.handoff, PrefillHandoff)
+
+    @property
+    def awaits_kv(self) -> bool:
+        """Decode role: the prompt's KV comes from a prefill instance and has not landed yet."""
+        return isinstance(self.handoff, DecodeHandoff) and not self.handoff.landed
+
+    @property
+    def handoff_hidden(self) -> torch.Tensor | None:
+        """Decode role: the hidden states P sent with the prompt's KV, for the MTP drafter."""
+        return self.handoff.hidden if isinstance(self.handoff, DecodeHandoff) else None
 
     @property
     def num_handoff_tokens(self) -> int:
@@ -111,3 +124,42 @@ class Request:
         if n >= params.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return FinishReason.HANDED_OFF if self.remote_decode else None
+
+
+# The two sides of one P->D hand-off (docs/architecture.md, the hand-off). Each engine's KV connector
+# keeps its side by request id for as long as the transfer concerns it, and the request points at
+# it; they are declared here, beside Request, so that the request and the scheduler can read them.
+
+
+@dataclass(eq=False)
+class PrefillHandoff:
+    """Prefill role: from the request's arrival until its blocks pass to the KV sender's lease (or
+    the request ends here). Its presence makes the request stop after t0 (`Request.remote_decode`)."""
+
+    request: Request = field(repr=False)
+    # The target's hidden states of the prompt's last positions so far (for D's MTP drafter), in
+    # order, and the position after them.
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    hidden_end: int = 0
+    prefill_done_time: float = 0.0  # wall clock when the forward of the prompt's last KV layer was over (0: not yet)
+
+    def add_hidden(self, start: int, rows: torch.Tensor) -> None:
+        """The hidden states of positions [start, start + len(rows)), in order."""
+        if start != self.hidden_end:  # not the next positions: the prompt is computed again (preempted)
+            self.hidden = []
+        self.hidden.append(rows)
+        self.hidden_end = start + len(rows)
+
+
+@dataclass(eq=False)
+class DecodeHandoff:
+    """Decode role: from the request's arrival until it enters a slot (or ends)."""
+
+    request: Request = field(repr=False)
+    kv_endpoint: str  # where the prefill instance serves the prompt's KV
+    # Blocks must be reserved by then (the KV receiver's clock), or the request fails with a
+    # retryable error; None: no deadline (the blocks are reserved, or none was set).
+    reserve_by: float | None = None
+    landed: bool = False  # the KV is in the request's blocks (Scheduler.kv_loaded)
+    hidden: torch.Tensor | None = None  # came with the KV: the MTP drafter's seed (NewRequestData)
+    prefill_done_time: float = 0.0  # P's wall clock at its last KV layer's forward (0: unknown)

@@ -13,7 +13,7 @@ loop, the engine core and the scheduler call the same methods whatever the role.
                                   reports each transfer done or failed
 
 Calls, by who makes them:
-    process    on_new_request(request, prefill_endpoint), abort(req_id, transfer_id), sockets(), counters(),
+    process    on_new_request(request, kv_endpoint), abort(req_id, transfer_id), sockets(), counters(),
                close()
     core       poll() -> (loaded, failed): transfers finished since the last call
                on_scheduled(req_ids): requests entering a slot this step (D: the hand-off is over)
@@ -23,8 +23,13 @@ Calls, by who makes them:
     scheduler  start_load(request): blocks reserved, fetch the KV (status WAITING_FOR_KV)
                request_finished(request) -> True when the connector now owns the request's blocks
 
-A transfer is named by (request id, `request.kv_transfer_id`, P instance): the front end picks a
+A transfer is named by (request id, `request.transfer_id`, P instance): the front end picks a
 new transfer id for every attempt, so a retry never takes an older attempt's KV.
+
+The per-transfer state of each side is one object (engine/request.py): a `PrefillHandoff` or a
+`DecodeHandoff`, which the connector keeps by request id (`handoffs`) and the request points at
+(`request.handoff`). What P keeps after the prompt is done -- the lease on its blocks, the layer
+stream -- is the sender's (kv_transfer/sender.py); what D keeps while it pulls, the receiver's.
 """
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ import torch
 import zmq
 
 from engine.config import ClusterKey, KVTransferConfig
-from engine.request import Request
+from engine.request import DecodeHandoff, PrefillHandoff, Request
 from engine.types import EngineRole, FinishReason, KVTransferMode
 from kv_transfer.handshake import compat_hash, describe_difference
 from kv_transfer.receiver import Completed, Failed, KVReceiver
@@ -55,7 +60,7 @@ class KVConnector:
     """The colocated (no-op) connector; the base of the other two."""
 
     role: EngineRole = EngineRole.COLOCATED
-    kv_endpoint: str = ""  # where decode instances dial this engine's KV port (prefill only)
+    kv_endpoint: str = ""  # P's KV address: where decode instances dial this engine's KV port (prefill only)
     taps_layers = False    # the runner reports each layer's KV writes (tap_target, on_layer)
     hands_off = False      # every request leaves after its first token (t0): this engine never verifies drafts
 
@@ -64,8 +69,9 @@ class KVConnector:
         scheduler's StepCost.predict); None: unknown."""
         return None
 
-    def on_new_request(self, request: Request, prefill_endpoint: str) -> None:
-        """Mark what the request needs from KV transfer, before the scheduler sees it."""
+    def on_new_request(self, request: Request, kv_endpoint: str) -> None:
+        """Mark what the request needs from KV transfer, before the scheduler sees it (`kv_endpoint`:
+        decode role, the KV address of the prefill instance the prompt's KV comes from; "": none)."""
 
     def start_load(self, request: Request) -> None:
         """Decode: the scheduler reserved `request.block_ids`; pull the prompt's KV into them."""
@@ -133,18 +139,16 @@ class PrefillConnector(KVConnector):
         self.sender = sender
         self.kv_endpoint = kv_endpoint
         self.layerwise_min_tokens = layerwise_min_tokens
-        self.prefilling: dict[str, Request] = {}
-        # req_id -> (the position after them, its prompt's last positions' hidden states so far)
-        self.hidden: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        self.handoffs: dict[str, PrefillHandoff] = {}  # until the request finishes here
 
-    def on_new_request(self, request: Request, prefill_endpoint: str) -> None:
-        request.remote_decode = True  # stop after t0: the decode instance generates the rest
-        self.sender.supersede(request.req_id, request.kv_transfer_id)  # a retry here: the old attempt is over
-        self.prefilling[request.req_id] = request
+    def on_new_request(self, request: Request, kv_endpoint: str) -> None:
+        # The hand-off makes the request stop after t0: the decode instance generates the rest.
+        request.handoff = self.handoffs[request.req_id] = PrefillHandoff(request)
+        self.sender.supersede(request.req_id, request.transfer_id)  # a retry here: the old attempt is over
 
     def tap_target(self, req_id: str) -> int | None:
-        request = self.prefilling.get(req_id)
-        return request.num_handoff_tokens if request is not None else None
+        handoff = self.handoffs.get(req_id)
+        return handoff.request.num_handoff_tokens if handoff is not None else None
 
     def snapshots(self, req_id: str) -> bool:
         """Whether this request's KV goes out layer by layer (else whole, once its prefill is over):
@@ -152,52 +156,48 @@ class PrefillConnector(KVConnector):
         to be long. Sent whole, a prompt's KV leaves when the engine thread next handles D's pull,
         after the step that follows its prefill: on a model whose steps take seconds that wait is
         the hand-off, while the snapshots cost the step a fixed amount per layer."""
-        request = self.prefilling.get(req_id)
-        if request is None or self.layerwise_min_tokens is None:
+        handoff = self.handoffs.get(req_id)
+        if handoff is None or self.layerwise_min_tokens is None:
             return False
-        if request.num_handoff_tokens >= self.layerwise_min_tokens:
+        n = handoff.request.num_handoff_tokens
+        if n >= self.layerwise_min_tokens:
             return True
-        predicted = self.step_seconds(request.num_handoff_tokens)
+        predicted = self.step_seconds(n)
         return predicted is not None and predicted >= LAYERWISE_MIN_STEP_S
 
     def on_layer(self, req_id: str, layer: int, start: int, end: int, kv: torch.Tensor,
                  ready: torch.cuda.Event | None) -> None:
-        request = self.prefilling[req_id]
-        tid = request.kv_transfer_id
-        self.sender.publish_layer(req_id, tid, layer, start, end, request.num_handoff_tokens, kv, ready)
+        request = self.handoffs[req_id].request
+        self.sender.publish_layer(req_id, request.transfer_id, layer, start, end, request.num_handoff_tokens, kv,
+                                  ready)
 
     def on_layers_done(self, req_id: str) -> None:
-        self.sender.note_done_time(req_id, self.prefilling[req_id].kv_transfer_id)
+        self.handoffs[req_id].prefill_done_time = time.time()  # what the hand-off latency is measured from
 
     def on_hidden(self, req_id: str, start: int, hidden: torch.Tensor) -> None:
-        end, pieces = self.hidden.get(req_id, (start, []))
-        if start != end:  # not the next positions: the prompt is computed again (preempted)
-            pieces = []
-        pieces.append(hidden.to("cpu", copy=True))  # (a slice of the step's hidden states)
-        self.hidden[req_id] = (start + len(hidden), pieces)
+        self.handoffs[req_id].add_hidden(start, hidden.to("cpu", copy=True))  # (a slice of the step's hidden states)
 
     def request_finished(self, request: Request) -> bool:
-        if self.prefilling.get(request.req_id) is request:
-            del self.prefilling[request.req_id]
-        _, pieces = self.hidden.pop(request.req_id, (0, []))
-        if request.finish_reason != FinishReason.HANDED_OFF:
-            self.sender.end_stream(request.req_id, request.kv_transfer_id)
+        handoff = request.handoff
+        if handoff is not None and self.handoffs.get(request.req_id) is handoff:
+            del self.handoffs[request.req_id]
+        if request.finish_reason != FinishReason.HANDED_OFF or not isinstance(handoff, PrefillHandoff):
+            self.sender.end_stream(request.req_id, request.transfer_id)
             return False  # finished here (t0 was a stop, an abort, an error): nothing to send
         # The sender's lease is the one record of these blocks from now on (freed on ack/expiry).
         # The KV of num_handoff_tokens positions and the token after them: t0, or for a resumed
         # request the last token the client was streamed.
-        n = request.num_handoff_tokens
+        n, pieces = request.num_handoff_tokens, handoff.hidden
         hidden = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)) if pieces else None
-        self.sender.hold(request.req_id, list(request.block_ids), n, request.all_token_ids[n], request.kv_transfer_id,
-                         hidden)
+        self.sender.hold(request.req_id, list(request.block_ids), n, request.all_token_ids[n], request.transfer_id,
+                         hidden, handoff.prefill_done_time)
         return True
 
     def abort(self, req_id: str, transfer_id: str | None = None) -> None:
-        request = self.prefilling.get(req_id)
-        if request is not None and transfer_id in (None, request.kv_transfer_id):
-            del self.prefilling[req_id]  # also when the scheduler refused it (it never finishes then)
-            self.hidden.pop(req_id, None)
-            self.sender.end_stream(req_id, request.kv_transfer_id)
+        handoff = self.handoffs.get(req_id)
+        if handoff is not None and transfer_id in (None, handoff.request.transfer_id):
+            del self.handoffs[req_id]  # also when the scheduler refused it (it never finishes then)
+            self.sender.end_stream(req_id, handoff.request.transfer_id)
         self.sender.drop(req_id, "aborted", transfer_id)
 
     def poll(self) -> KVEvents:
@@ -224,45 +224,57 @@ class DecodeConnector(KVConnector):
     def __init__(self, receiver: KVReceiver, reserve_deadline_s: float = 20.0) -> None:
         self.receiver = receiver
         self.reserve_deadline_s = reserve_deadline_s
-        self.queued: dict[str, tuple[Request, float]] = {}  # waiting for blocks: (request, deadline)
-        self.handed_off: dict[str, float] = {}  # KV landed, first step not yet: P's last-layer time
+        self.handoffs: dict[str, DecodeHandoff] = {}  # until the request enters a slot (or ends)
 
-    def on_new_request(self, request: Request, prefill_endpoint: str) -> None:
-        request.kv_source = prefill_endpoint  # the scheduler reserves blocks, then start_load pulls
-        if prefill_endpoint:
-            self.queued[request.req_id] = (request, self.receiver.clock() + self.reserve_deadline_s)
+    def on_new_request(self, request: Request, kv_endpoint: str) -> None:
+        if kv_endpoint:  # the scheduler reserves blocks, then start_load pulls
+            deadline = self.receiver.clock() + self.reserve_deadline_s
+            request.handoff = self.handoffs[request.req_id] = DecodeHandoff(request, kv_endpoint, deadline)
 
     def start_load(self, request: Request) -> None:
-        self.queued.pop(request.req_id, None)
-        self.receiver.start(request.req_id, request.kv_source, request.block_ids, request.kv_transfer_id,
+        handoff = request.handoff
+        assert isinstance(handoff, DecodeHandoff), "the scheduler reserves blocks only for a request awaiting KV"
+        handoff.reserve_by = None
+        self.receiver.start(request.req_id, handoff.kv_endpoint, request.block_ids, request.transfer_id,
                             request.num_handoff_tokens)
 
+    def request_finished(self, request: Request) -> bool:
+        handoff = self.handoffs.get(request.req_id)
+        if handoff is not None and handoff.request is request:  # ended before it entered a slot
+            del self.handoffs[request.req_id]
+        return False
+
     def abort(self, req_id: str, transfer_id: str | None = None) -> None:
-        queued = self.queued.get(req_id)
-        if queued is not None and transfer_id in (None, queued[0].kv_transfer_id):
-            del self.queued[req_id]
-        self.handed_off.pop(req_id, None)
+        handoff = self.handoffs.get(req_id)
+        if handoff is not None and transfer_id in (None, handoff.request.transfer_id):
+            del self.handoffs[req_id]
         self.receiver.cancel(req_id, "aborted", transfer_id)
 
     def on_scheduled(self, req_ids: list[str]) -> None:
+        """The hand-off is over: the request runs here from now on."""
         stats = self.receiver.stats
         for req_id in req_ids:
-            sent = self.handed_off.pop(req_id, None)
-            if sent:  # wall clock on both sides: meaningful on one host (or NTP-close hosts)
-                stats.handoff_seconds_sum += max(0.0, time.time() - sent)
+            handoff = self.handoffs.pop(req_id, None)
+            if handoff is None:
+                continue
+            handoff.request.handoff = None  # once: after a preemption the prompt is computed here, without P's hidden
+            if handoff.prefill_done_time:  # wall clock on both sides: meaningful on one host (or NTP-close hosts)
+                stats.handoff_seconds_sum += max(0.0, time.time() - handoff.prefill_done_time)
                 stats.handoff_seconds_count += 1
 
     def poll(self) -> KVEvents:
         done, failed = self.receiver.poll()
         for item in done:
-            self.handed_off[item.req_id] = item.prefill_done_time
+            if (handoff := self.handoffs.get(item.req_id)) is not None:
+                handoff.prefill_done_time = item.prefill_done_time
         now = self.receiver.clock()  # the receiver's clock: one clock for every decode-side deadline
-        for req_id, (request, deadline) in list(self.queued.items()):
-            if deadline < now:
-                del self.queued[req_id]
+        for req_id, handoff in list(self.handoffs.items()):
+            if handoff.reserve_by is not None and handoff.reserve_by < now:
+                del self.handoffs[req_id]
+                request = handoff.request
                 reason = (f"decode {self.receiver.name} had no KV memory for the prompt's "
                           f"{request.prompt_len} tokens within {self.reserve_deadline_s:g} s")
-                self.receiver.release(req_id, request.kv_source, request.kv_transfer_id, reason)
+                self.receiver.release(req_id, handoff.kv_endpoint, request.transfer_id, reason)
                 self.receiver.stats.reservations_expired += 1
                 failed.append(Failed(req_id, reason))
         return done, failed

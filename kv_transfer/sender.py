@@ -74,6 +74,7 @@ class HeldKV:
     sent: bool = False
     streamed: bool = False           # layer-wise: the layers went (or go) out on the stream
     hidden: torch.Tensor | None = None  # the prompt's last positions' hidden states, sent instead of the MTP KV
+    prefill_done_time: float = 0.0   # wall clock when the prompt's last KV layer was written (0: unknown)
 
 
 @dataclass
@@ -151,7 +152,6 @@ class KVSender:
         self.socket = self.streamer.engine_socket if self.streamer else router
         self.streams: set[Key] = set()            # transfers with layers on the stream
         self.first_puller: dict[Key, bytes] = {}  # layer-wise: the connection the stream goes to
-        self.done_times: dict[Key, float] = {}    # wall clock when the prompt's last KV layer was written
         self.kv_cache = kv_cache
         self.draft_layers = draft_layers
         self.compat_hash, self.description, self.name = compat_hash, description, name
@@ -169,15 +169,17 @@ class KVSender:
     # -- engine-facing -------------------------------------------------------------------
 
     def hold(self, req_id: str, block_ids: list[int], num_tokens: int, t0: int, transfer_id: str = "",
-             hidden: torch.Tensor | None = None) -> None:
+             hidden: torch.Tensor | None = None, prefill_done_time: float = 0.0) -> None:
         """A prefill finished: keep its blocks until D takes them (or the lease runs out). `hidden`
         (on the host): the target's hidden states of the prompt's last positions, for D's MTP drafter
-        in place of the MTP layers' KV."""
+        in place of the MTP layers' KV. `prefill_done_time`: the wall clock when the forward of the
+        prompt's last KV layer was over (what D measures the hand-off from; 0: unknown)."""
         # Older held attempts go; pending pulls stay: one for another attempt may be a newer retry
         # whose Submit this P has not read yet (it comes over the front end's link, the pull over ours).
         self.supersede(req_id, transfer_id, pulls=False)
         key = (req_id, transfer_id)
-        held = HeldKV(req_id, block_ids, num_tokens, t0, self.clock() + self.lease_s, transfer_id, hidden=hidden)
+        held = HeldKV(req_id, block_ids, num_tokens, t0, self.clock() + self.lease_s, transfer_id, hidden=hidden,
+                      prefill_done_time=prefill_done_time)
         self.held[key] = held
         pull = self.pulls.pop(key, None)
         if pull is not None:
@@ -196,10 +198,6 @@ class KVSender:
         key = (req_id, transfer_id)
         self.streams.add(key)
         self.streamer.submit(LayerJob(key, layer, start, end, num_tokens, kv, ready))
-
-    def note_done_time(self, req_id: str, transfer_id: str) -> None:
-        """The forward of the prompt's last KV layer is over (what the hand-off latency is measured from)."""
-        self.done_times[(req_id, transfer_id)] = time.time()
 
     def end_stream(self, req_id: str, transfer_id: str) -> None:
         """The request finished here without a hand-off: drop whatever of it is still queued."""
@@ -357,7 +355,7 @@ class KVSender:
         header = m.KVHeader(held.req_id, held.num_tokens, num_blocks, held.t0, [n for _, n in runs],
                             list(cache.shape[3:]), str(cache.dtype).removeprefix("torch."), held.transfer_id,
                             self.name, frames_checksum(frames) if self.checksum else None,
-                            self.done_times.get((held.req_id, held.transfer_id), 0.0), *self._hidden_fields(held),
+                            held.prefill_done_time, *self._hidden_fields(held),
                             sent_time=time.time())
         self.socket.send_multipart([held.requester, m.encode(header), *frames], copy=False)
         self._sent(held, sum(f.nbytes for f in frames))
@@ -396,9 +394,8 @@ class KVSender:
 
     def _done_message(self, held: HeldKV) -> m.KVLayersDone:
         frames = [tensor_frame(held.hidden)] if held.hidden is not None else []
-        key = (held.req_id, held.transfer_id)
         return m.KVLayersDone(held.req_id, held.transfer_id, self.name, held.num_tokens, self._num_layers(held),
-                              held.t0, self.done_times.get(key, 0.0), *self._hidden_fields(held),
+                              held.t0, held.prefill_done_time, *self._hidden_fields(held),
                               frames_checksum(frames) if frames and self.checksum else None, time.time())
 
     def _complete_stream(self, held: HeldKV) -> None:
@@ -422,7 +419,6 @@ class KVSender:
 
     def _forget(self, key: Key) -> None:
         """The transfer is over here: drop its layer-wise state (and what the stream still holds)."""
-        self.done_times.pop(key, None)
         self.first_puller.pop(key, None)
         self.streams.discard(key)
         if self.streamer is not None:  # also when nothing was streamed: its route may be known there

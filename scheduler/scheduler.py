@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.request import Request, RequestStatus
+from engine.request import DecodeHandoff, Request, RequestStatus
 from engine.types import FinishReason, TokenLogprobs
 from scheduler.block_manager import BlockManager
 from scheduler.output import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
@@ -68,7 +68,7 @@ class RequestUpdate:
     queue_time: float | None = None    # set on the first update: arrival -> first scheduled
     error: str | None = None
     retryable: bool = False            # an error a fresh prefill may fix (the KV transfer failed)
-    transfer_id: str = ""              # PD: the attempt the request belongs to (Request.kv_transfer_id)
+    transfer_id: str = ""              # PD: the attempt the request belongs to (Request.transfer_id)
     # With the request's first token only (t0: on P under PD):
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. when asked for
     num_cached_tokens: int | None = None                # prompt tokens that were prefix-cache hits
@@ -109,7 +109,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError for a decode reservation that could never fit, even in
         an empty cache: it would block every reservation behind it for good."""
-        if request.kv_source:
+        if request.awaits_kv:
             need = self.blocks.blocks_needed(request.num_handoff_tokens + 1 + self.num_lookahead_tokens)
             if need > self.blocks.num_blocks:
                 raise ValueError(f"prompt: {request.num_handoff_tokens} tokens need {need} KV blocks on this decode "
@@ -133,7 +133,7 @@ class Scheduler:
         self._finish(request, FinishReason.ERROR)
         # Its slot goes whether it was running or, for a step that failed while admitting it, not.
         self._finished_ids.add(req_id)
-        return RequestUpdate(req_id, [], [], FinishReason.ERROR, error=error, transfer_id=request.kv_transfer_id)
+        return RequestUpdate(req_id, [], [], FinishReason.ERROR, error=error, transfer_id=request.transfer_id)
 
     def free_slots_again(self, req_ids: set[str]) -> None:
         """Have the runner free these requests' slots (again) at the next step: a failed step may
@@ -142,7 +142,7 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         """Work for the next step: running requests, or waiting ones that need no KV from elsewhere."""
-        return bool(self.running) or any(not r.kv_source for r in self.waiting)
+        return bool(self.running) or any(not r.awaits_kv for r in self.waiting)
 
     # -- KV from a prefill instance (decode role) ------------------------------------------
 
@@ -161,8 +161,9 @@ class Scheduler:
             return self.kv_failed(req_id, f"resumed request: prefill handed over token {t0}, the client was "
                                           f"streamed {request.output_token_ids[-1]}")
         request.num_computed_tokens = num_tokens
-        request.handoff_hidden = hidden
-        request.kv_source = ""
+        handoff = request.handoff
+        assert isinstance(handoff, DecodeHandoff)  # only a decode hand-off waits for KV
+        handoff.landed, handoff.hidden = True, hidden
         request.status = RequestStatus.WAITING
         # To the front of the queue: it holds memory, so running it soonest frees it soonest.
         self.waiting.remove(request)
@@ -174,16 +175,16 @@ class Scheduler:
         if request is not None and not request.is_finished:
             self._finish(request, FinishReason.ERROR)
         return RequestUpdate(req_id, [], [], FinishReason.ERROR, error=reason, retryable=retryable,
-                             transfer_id=request.kv_transfer_id if request is not None else "")
+                             transfer_id=request.transfer_id if request is not None else "")
 
     def _reserve_remote_kv(self) -> None:
         """Reserve blocks for the prompt + t0 (+ lookahead) of requests whose KV comes from a
         prefill instance, oldest first, and have the connector pull it. A preempted request
         (waiting without blocks) goes first, or new reservations would starve it."""
-        if any(not r.block_ids and not r.kv_source for r in self.waiting):
+        if any(not r.block_ids and not r.awaits_kv for r in self.waiting):
             return
         for request in self.waiting:
-            if not request.kv_source or request.status == RequestStatus.WAITING_FOR_KV:
+            if not request.awaits_kv or request.status == RequestStatus.WAITING_FOR_KV:
                 continue
             if self.blocks.allocate(request, request.num_handoff_tokens + 1 + self.num_lookahead_tokens) is None:
                 return
@@ -238,7 +239,7 @@ class Scheduler:
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs or out.preempted_req_ids:
                 break
-            if request.kv_source or (blocked and not request.block_ids):
+            if request.awaits_kv or (blocked and not request.block_ids):
                 continue
             # Prompt logprobs need every prompt position's logits, which cached blocks do not hold:
             # such a request skips the cache (as vLLM does), and reports 0 cached tokens.
@@ -259,12 +260,13 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            # A PD hand-off's hidden states go to the slot once: the decode connector ends the
+            # hand-off as the request enters it (DecodeConnector.on_scheduled).
             out.new_requests.append(NewRequestData(
                 req_id=request.req_id, prompt_len=request.prompt_len, all_token_ids=list(request.all_token_ids),
                 num_computed_tokens=num_computed, block_ids=list(request.block_ids),
                 sampling_params=request.sampling_params, compute_prompt_logprobs=request.computes_prompt_logprobs,
                 handoff_hidden=request.handoff_hidden if num_computed else None, grammar=request.grammar))
-            request.handoff_hidden = None  # once: a preempted request computes its prompt here
             out.num_scheduled_tokens[request.req_id] = num_new
             self._step_prefill_tokens += num_new if num_uncomputed > 1 else 0
             budget -= num_new
@@ -340,7 +342,7 @@ class Scheduler:
             queue_time = request.first_scheduled_time - request.arrival_time
         reason = None if finish == FinishReason.HANDED_OFF else finish
         update = RequestUpdate(request.req_id, new_tokens, logprobs[: len(new_tokens)], reason, first, queue_time,
-                               transfer_id=request.kv_transfer_id)
+                               transfer_id=request.transfer_id)
         if first == 0 and new_tokens:
             update.num_cached_tokens = request.num_cached_tokens
             if request.sampling_params.prompt_logprobs is not None:

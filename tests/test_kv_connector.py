@@ -3,7 +3,7 @@ through WAITING_FOR_KV inside `schedule()`, and a connector that keeps a finishe
 blocks owns them (they are not freed twice)."""
 from __future__ import annotations
 
-from engine.request import Request, RequestStatus
+from engine.request import DecodeHandoff, PrefillHandoff, Request, RequestStatus
 from engine.types import FinishReason, SamplingParams
 from kv_transfer.connector import KVConnector
 from scheduler.block_manager import BlockManager
@@ -21,8 +21,9 @@ class RecordingConnector(KVConnector):
         self.finished: list[tuple[str, FinishReason | None]] = []
         self.keep_finished = keep_finished
 
-    def on_new_request(self, request: Request, prefill_endpoint: str) -> None:
-        request.kv_source = prefill_endpoint
+    def on_new_request(self, request: Request, kv_endpoint: str) -> None:
+        if kv_endpoint:
+            request.handoff = DecodeHandoff(request, kv_endpoint)
 
     def start_load(self, request: Request) -> None:
         self.loads.append(request.req_id)
@@ -99,7 +100,7 @@ def test_blocks_kept_by_the_connector_are_not_freed_by_the_scheduler():
     conn = RecordingConnector(keep_finished=True)
     sched, blocks = make(8, conn)
     request = add(sched, conn, "p1", 6, endpoint="")
-    request.remote_decode = True  # prefill role: stop after t0
+    request.handoff = PrefillHandoff(request)  # prefill role: stop after t0
     out = sched.schedule()
     updates = sched.update_from_output(out, RunnerOutput(["p1"], [[42]], [[]]))
     assert conn.finished == [("p1", FinishReason.HANDED_OFF)]

@@ -17,7 +17,7 @@ from conftest import random_prompts
 from kv_harness import VOCAB, FakeClock, JumpClock, greedy, kv_shape, pd_pair, pump
 from pd_harness import generate_all, wait_blocks_free, wait_until
 
-from engine.request import Request
+from engine.request import DecodeHandoff, Request
 from engine.types import SamplingParams
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
@@ -49,6 +49,11 @@ def hog_decode_memory(decode, state: dict) -> None:
         state["turns"] += 1
 
     sched._reserve_remote_kv = reserve_with_hog
+
+
+def waiting_for_blocks(connector) -> list[DecodeHandoff]:
+    """The decode connector's hand-offs still waiting for the scheduler to reserve their blocks."""
+    return [h for h in connector.handoffs.values() if h.reserve_by is not None]
 
 
 def loop_turns(state: dict, n: int = 2) -> None:
@@ -83,17 +88,18 @@ def test_reservation_that_cannot_fit_and_one_stuck_behind_full_memory(checkpoint
 
         async def stuck_until_its_deadline():
             task = asyncio.ensure_future(generate_all(pd.client, [stuck], GREEDY, timeout=60))
-            await asyncio.to_thread(wait_until, lambda: len(connector.queued) == 1, 30, "D to queue the request")
+            await asyncio.to_thread(wait_until, lambda: len(waiting_for_blocks(connector)) == 1, 30,
+                                    "D to queue the request")
             clock.advance(LONG_S - 1)  # just short of the deadline: still waiting
             await asyncio.to_thread(loop_turns, hooks)
-            assert len(connector.queued) == 1 and stats.reservations_expired == 0 and not task.done()
+            assert len(waiting_for_blocks(connector)) == 1 and stats.reservations_expired == 0 and not task.done()
             clock.advance(2)  # past it
             return await task
 
         (waited,) = run(stuck_until_its_deadline(), timeout=90)
         assert waited["finish_reason"] == "error" and "no KV memory" in waited["error"], waited
         assert f"within {LONG_S:g} s" in waited["error"]  # its reservation deadline, not forever
-        assert stats.reservations_expired == 1 and not connector.queued
+        assert stats.reservations_expired == 1 and not waiting_for_blocks(connector)
         hooks["hog"] = False
         (ok,) = run(generate_all(pd.client, [stuck], GREEDY, timeout=30))  # memory back: it runs
         assert ok["error"] is None
@@ -124,7 +130,7 @@ def test_prefill_lease_expiry_reaches_decode_as_a_clear_error(checkpoints, tmp_p
 
         async def scenario():
             task = asyncio.ensure_future(generate_all(pd.client, [[5, 6, 7, 8, 9]], GREEDY, timeout=60))
-            await asyncio.to_thread(wait_until, lambda: sender.held and pd.decode.connector.queued, 30,
+            await asyncio.to_thread(wait_until, lambda: sender.held and waiting_for_blocks(pd.decode.connector), 30,
                                     "P to hold the KV and D to wait for memory")
             clock.advance(LONG_S + 1)  # P's lease runs out meanwhile
             await asyncio.to_thread(wait_until, lambda: sender.stats.leases_expired == 1, 30, "P's lease to expire")
@@ -178,10 +184,10 @@ def test_fit_check_counts_t0_and_lookahead(lookahead):
     blocks = BlockManager(4, 16, enable_prefix_caching=False)
     sched = Scheduler(4, 64, 64, blocks, connector=None, num_lookahead_tokens=lookahead)  # type: ignore[arg-type]
     fits = Request("fits", [3] * (63 - lookahead), SamplingParams())
-    fits.kv_source = "p"
+    fits.handoff = DecodeHandoff(fits, "p")
     sched.add_request(fits)
     never = Request("never", [3] * (64 - lookahead), SamplingParams())
-    never.kv_source = "p"
+    never.handoff = DecodeHandoff(never, "p")
     with pytest.raises(ValueError, match="KV blocks"):
         sched.add_request(never)
     assert "never" not in sched.requests

@@ -166,7 +166,7 @@ def test_fuzz_decode_and_prefill_kv_ports(checkpoints, references, tmp_path):
             flood_prefill(ctx, prefill, rng, fuzz)
             run(wait_blocks_free(client, timeout=10))
             assert all(t.is_alive() for t in engines.threads), "an engine loop ended"
-            assert not decode.connector.receiver.pulls and not decode.connector.queued
+            assert not decode.connector.receiver.pulls and not decode.connector.handoffs
     finally:
         fake_p.close(0)
         ctx.term()

@@ -59,11 +59,11 @@ def install_stall(proc, state: dict) -> None:
             state["release"].wait(60)
         return execute(sched)
 
-    def poisoned_hold(req_id, block_ids, num_tokens, t0, transfer_id="", hidden=None):
+    def poisoned_hold(req_id, block_ids, num_tokens, t0, transfer_id="", hidden=None, prefill_done_time=0.0):
         if state["stalled"] == proc.name:
             proc.core.runner.kv_cache[:, :, block_ids] = 1e3
             t0 = (t0 + 1) % VOCAB
-        hold(req_id, block_ids, num_tokens, t0, transfer_id, hidden)
+        hold(req_id, block_ids, num_tokens, t0, transfer_id, hidden, prefill_done_time)
 
     runner.execute_model = stalled_execute
     sender.hold = poisoned_hold

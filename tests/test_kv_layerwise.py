@@ -48,8 +48,8 @@ def run_pd(tmp_path, model: str, batches, mode: str, spec: str | None = "mtp", d
 def assert_nothing_left(prefill) -> None:
     """Every transfer's state on P is gone once its blocks are: no per-request leak anywhere."""
     sender = prefill.connector.sender
-    assert not prefill.connector.prefilling and not prefill.core.runner.kv_tap.reported
-    assert not (sender.streams or sender.first_puller or sender.done_times or sender.held or sender.pulls)
+    assert not prefill.connector.handoffs and not prefill.core.runner.kv_tap.reported
+    assert not (sender.streams or sender.first_puller or sender.held or sender.pulls)
     if sender.streamer is not None:  # the stream thread's own tables (it forgets on the engine's word)
         wait_until(lambda: not (sender.streamer.routes or sender.streamer.waiting), 5, "the stream to forget")
 
