@@ -1,4 +1,4 @@
-"""The speculation policy on its own (worker/spec_policy.py), fed synthetic step costs and
+"""The speculation policy on its own (worker/spec_decode/policy.py), fed synthetic step costs and
 acceptance: no model, no engine. The drafter and engines it steers: tests/test_spec_drafter.py."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from math import prod
 
 import pytest
 
-from worker.spec_policy import SpecPolicy, SpecPolicyMode, batch_bucket
+from worker.spec_decode.policy import SpecPolicy, SpecPolicyMode, batch_bucket
 
 # ----------------------------------------------------------------- the policy on its own
 
@@ -95,7 +95,7 @@ def test_a_batch_moving_within_its_bucket_does_not_make_k_look_cheap():
 
 
 def test_paired_ratio_compares_steps_of_one_batch_size():
-    from worker.spec_policy import paired_ratio
+    from worker.spec_decode.policy import paired_ratio
 
     k_steps, plain = [(10.2, 12), (12.0, 15), (12.1, 15)], [(5.2, 12), (5.5, 15), (5.4, 15)]
     assert paired_ratio(k_steps, plain) == pytest.approx((10.2 / 5.2 + 12.05 / 5.45) / 2)
