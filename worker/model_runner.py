@@ -23,7 +23,7 @@ from worker.input_batch import InputBatch, StepLayout
 from worker.kv_tap import KVTap, StepTap
 from worker.model_loader import DTYPES, activation_dtype, load_model, resolve_draft_dtype, resolve_draft_vocab
 from worker.prompt_logprobs import compute_prompt_logprobs
-from worker.sample.sampler import Sampler, mix_seed
+from worker.sample.sampler import mix_seed
 from worker.sample.verifier import Verifier, check_in_vocab
 from worker.spec_decode.drafter import Drafter
 from worker.spec_decode.mtp import MTPDrafter
@@ -88,11 +88,10 @@ class ModelRunner:
         noise_seed = mix_seed(config.seed, zlib.crc32(config.instance_name.encode()))
         self.states = RequestStates(config.max_num_seqs, max_len, -(-(max_len + lookahead) // self.block_size) + 1,
                                     self.num_spec, self.device, noise_seed=noise_seed)
-        self.sampler = Sampler(seed=noise_seed, device=self.device)
         self.grammar = GrammarStates(config.max_num_seqs,
                                      GrammarCompiler(config.model, model_cfg.vocab_size, model_cfg.eos_token_ids))
-        self.verifier = Verifier(self.model, self.states, self.grammar, self.sampler, model_cfg.eos_token_ids,
-                                 self.device, fused_sampling)
+        self.verifier = Verifier(self.model, self.states, self.grammar, model_cfg.eos_token_ids, self.device,
+                                 noise_seed, fused_sampling)
         self.speculator = self._make_speculator() if config.speculative_method else None
         self.check_invariants = invariants.enabled()
         self.kv_tap: KVTap | None = None  # set by a prefill engine in PD (layer-wise KV push)
@@ -106,7 +105,7 @@ class ModelRunner:
             if self.device.type == "cpu":  # the row counts of drafting at up to ~16 rows
                 self.model.warm_up_draft_gemms(max_rows=16 * (1 + self.num_spec))
             drafter = MTPDrafter(self.model, self.states, self.kv_views, self.block_size, self.num_spec, self.device,
-                                 self.sampler, self.model_cfg.sliding_window, grammar=self.grammar,
+                                 self.verifier.sampler, self.model_cfg.sliding_window, grammar=self.grammar,
                                  window=config.mtp_window or None)
             policy = SpecPolicy(self.num_spec, SpecPolicyMode(config.spec_policy))
         else:  # n-gram drafts vary in length per row, which the cost model does not time: always fixed K

@@ -50,10 +50,11 @@ def check_in_vocab(rows: list[list[int]], vocab: int, what: str) -> None:
 
 
 class Verifier:
-    def __init__(self, model: CausalLM, states: RequestStates, grammar: GrammarStates, sampler: Sampler,
-                 eos_token_ids: list[int], device: torch.device, fused_sampling: bool) -> None:
-        self.model, self.states, self.grammar, self.sampler = model, states, grammar, sampler
-        self.device = device
+    def __init__(self, model: CausalLM, states: RequestStates, grammar: GrammarStates, eos_token_ids: list[int],
+                 device: torch.device, noise_seed: int, fused_sampling: bool) -> None:
+        self.model, self.states, self.grammar, self.device = model, states, grammar, device
+        # `noise_seed` seeds the default generator: the noise of unseeded rows (the drafter shares it).
+        self.sampler = Sampler(seed=noise_seed, device=device)
         # Plain-temperature decode steps sample with the C++ op (its torch reference is a loop per row).
         self.fused_sampling = fused_sampling
         self.position_metadata = PositionMetadata(states, eos_token_ids, device)
