@@ -155,7 +155,7 @@ class Exploration:
     """k held for a few steps, compared with k=0 steps right next to it: on a machine whose speed
     drifts (other processes come and go) the ratio of the two compares like with like. The k=0 steps
     are those just before when there are (a k=0 regime), else k=0 held right after, past the
-    `settle_steps` that follow drafting: on a CPU the plain steps right after drafting run slower
+    `SETTLE_STEPS` that follow drafting: on a CPU the plain steps right after drafting run slower
     for a while (the forward and the sampler alike: the heavier steps' after-effects on the caches),
     and timing those would make k look cheaper than it is when held."""
 
@@ -235,7 +235,7 @@ class SpecPolicy:
                 # The prior of a later position: the one before it (conditional acceptance varies
                 # little along the chain on the bundled model, benchmarks/results/bench_spec.txt).
                 est.value = self.acceptance[i - 1].value
-            # A plain mean of everything seen, the prior counted as `prior_drafts` of them, until
+            # A plain mean of everything seen, the prior counted as `PRIOR_DRAFTS` of them, until
             # there are 1/alpha observations (the first few drafts must not count for more than they
             # are worth: a later position sees drafts only while k reaches it, and 16 unlucky ones in
             # a warm-up kept k=2 out at batch 1, T=1, for thousands of steps), an EWMA after that;
@@ -334,7 +334,7 @@ class SpecPolicy:
         little = pending <= BACKFILL_PER_ROW * batch_size
         due = stays and self._due(costs, stale, interval, little)
         # Resuming drafting first pays the backfill of every skipped position: with much of it
-        # pending, drafting must win by `resume_margin` more (near break-even, the decision would
+        # pending, drafting must win by `RESUME_MARGIN` more (near break-even, the decision would
         # flip with the noise and pay a backfill at each flip).
         best = self.best_k(bucket, estimates, 0.0 if little else RESUME_MARGIN)
         if not due and self._surprised(costs, best, estimates):
