@@ -245,8 +245,9 @@ class SpecPolicy:
             est.count += n
 
     def record_step(self, batch_size: int, k: int, seconds: float, sampled: bool = False) -> None:
-        """A steady-state decode step: every row verified k drafts and proposed k for the next;
-        `sampled`: some row samples (else all are greedy)."""
+        """The time of a step steady at k (InputBatch.steady_with: every row decoded and verified k
+        drafts; no stash flush) that proposed k for the next; `sampled`: some row drew from a
+        distribution (else all are greedy)."""
         costs = self._bucket(batch_size, sampled)
         costs.steps[k].update(costs.decisions, seconds, batch_size)
         e = self._exploration
