@@ -124,7 +124,7 @@ def test_decode_drafts_from_the_hidden_states_prefill_hands_over(kv_mode, mtp_ch
     colocated = first_drafts(colocated=True)
     pd = first_drafts()
     assert sum(pd[key] == colocated[key] for key in colocated) >= len(prompts) - 1
-    monkeypatch.setattr(MTPDrafter, "seed", lambda self, slot, num_computed, hidden: None)
+    monkeypatch.setattr(MTPDrafter, "seed_from_handoff", lambda self, slot, num_computed, hidden: None)
     monkeypatch.setenv("PDSERVE_DEBUG_INVARIANTS", "0")
     dropped = first_drafts()
     assert sum(dropped[key] == colocated[key] for key in colocated) <= len(prompts) // 2
