@@ -93,6 +93,11 @@ class ModelRunner:
         self.verifier = Verifier(self.model, self.states, self.grammar, model_cfg.eos_token_ids, self.device,
                                  noise_seed, fused_sampling)
         self.speculator = self._make_speculator() if config.speculative_method else None
+        self.drafter: Drafter | None = None
+        # Without speculation, a policy of 0 drafts: its counters read as "never drafted".
+        self.spec_policy = SpecPolicy(0, SpecPolicyMode.FIXED)
+        if self.speculator is not None:
+            self.drafter, self.spec_policy = self.speculator.drafter, self.speculator.policy
         self.check_invariants = invariants.enabled()
         self.kv_tap: KVTap | None = None  # set by a prefill engine in PD (layer-wise KV push)
         # False on a prefill engine in PD: its requests leave after t0, so it runs the MTP layer over
@@ -112,14 +117,6 @@ class ModelRunner:
             drafter = NgramDrafter(self.states, self.num_spec, grammar=self.grammar)
             policy = SpecPolicy(self.num_spec, SpecPolicyMode.FIXED)
         return Speculator(drafter, policy, self.states, self.model_cfg.vocab_size)
-
-    @property
-    def drafter(self) -> Drafter | None:
-        return self.speculator.drafter if self.speculator is not None else None
-
-    @property
-    def spec_policy(self) -> SpecPolicy | None:
-        return self.speculator.policy if self.speculator is not None else None
 
     # -- one step ------------------------------------------------------------------------
 
