@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 
 # Fixed settings of the policy. None is a knob: each was chosen once, and the run that showed it
-# is cited where there is one (benchmarks/results/).
+# is cited where there is one, by file, date and commit; those runs are in the git history of
+# benchmarks/results/ (bench_spec.txt, spec_serving.md, bench_spec_adaptive.txt).
 PRIOR_ACCEPTANCE = 0.5    # each draft's acceptance before any is verified
 ACCEPTANCE_ALPHA = 0.01   # the EWMA's weight of one verified draft, once the plain mean has 1/alpha of them
 # What a position's prior weighs, in verified drafts (see record_acceptance).
@@ -186,8 +187,8 @@ class Held:
 class SpecPolicy:
     num_spec: int
     mode: SpecPolicyMode = SpecPolicyMode.ADAPTIVE
-    # The knobs: each switches a mechanism whose cost or gain a run showed, and the tests turn it to
-    # single the mechanism out. Re-measuring and its back-off: bench_spec.txt (2026-12-01 18:40,
+    # The knobs: each switches a mechanism whose cost or gain a run showed (cited as above), and the
+    # tests turn it to single the mechanism out. Re-measuring and its back-off: bench_spec.txt (2026-12-01 18:40,
     # 92cf44b: the b16/b32 losses were the measurements and their backfill).
     explore_every: int = 500          # decisions per bucket between re-measurements (at most) ...
     first_reexplore: int = 32         # ... starting this soon and doubling
