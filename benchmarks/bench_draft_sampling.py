@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from benchmarks.bench_spec import prompts_for  # noqa: E402
 from benchmarks.common import resolve_model  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from worker.drafter import DraftMode  # noqa: E402
+from worker.spec_decode.drafter import DraftMode  # noqa: E402
 
 
 class FirstPositionProbe:
@@ -46,7 +46,7 @@ class FirstPositionProbe:
         self.count = 0
         self.batch = None
         drafter, runner = self.runner.drafter, self.runner
-        pick, sample, sampler_call = drafter._pick, runner._sample, runner.sampler.forward
+        pick, sample, sampler_call = drafter._pick, runner.verifier.sample, runner.verifier.sampler.forward
 
         def probe_pick(h, slots, j, draft_meta, walk=None):
             if j == 0:
@@ -68,13 +68,13 @@ class FirstPositionProbe:
                 self._observe(logits, out.sampled_token_ids)
             return out
 
-        drafter._pick, runner._sample, runner.sampler.forward = probe_pick, probe_sample, probe_sampler
+        drafter._pick, runner.verifier.sample, runner.verifier.sampler.forward = probe_pick, probe_sample, probe_sampler
 
     def _dist(self, logits: torch.Tensor) -> torch.Tensor:
         # The request's temperature and top-p, as the sampler applies them (no penalties here).
-        from worker.sampler import SamplingMetadata
+        from worker.sample.sampler import SamplingMetadata
         meta = SamplingMetadata.from_lists([self.params.temperature], top_p=[self.params.top_p])
-        return self.runner.sampler.compute_probs(logits.float().unsqueeze(0), meta)[0]
+        return self.runner.verifier.sampler.compute_probs(logits.float().unsqueeze(0), meta)[0]
 
     def _observe(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
         batch = self.batch

@@ -150,7 +150,7 @@ def walk(engine, schema: str | None, num_tokens: int, vocab: int, eos: int, seed
 
 def engine_path(model: str, vocab: int, eos: list[int], rounds: int = 200) -> None:
     from engine.types import GrammarKind, GrammarSpec
-    from worker.sampler import Sampler, SamplingMetadata
+    from worker.sample.sampler import Sampler, SamplingMetadata
     from worker.structured import GrammarCompiler, GrammarStates
 
     spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA))

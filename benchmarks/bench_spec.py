@@ -4,7 +4,7 @@ For K = 1..3: mean acceptance length (tokens per verify step: 1 + accepted draft
 acceptance rate of each draft position (accepted at position i / verify steps). Then decode
 tokens/s (after every request's first token: prefill is TTFT, not decode) without speculation,
 with MTP at a fixed K and with adaptive MTP (up to --k-max drafts, chosen per step by
-worker/spec_policy.py), at batch 1, 4, 16 and 32, plus the ratios, the acceptance and how often
+worker/spec_decode/policy.py), at batch 1, 4, 16 and 32, plus the ratios, the acceptance and how often
 the adaptive policy chose each k.
 
     python benchmarks/bench_spec.py [--model DIR] [--new-tokens 128] [--temperature 0]

@@ -156,7 +156,7 @@ class EngineConfig:
     # weights with fp32 arithmetic for a float32 target on a CPU (worker/model_loader.py), else the target's dtype.
     draft_dtype: str = "auto"
     # The MTP layer attends only the last this many positions (0: all of them). Positions older than
-    # that need no MTP pass at all (worker/drafter.py): on a prefill engine the pass over a prompt
+    # that need no MTP pass at all (worker/spec_decode/mtp.py): on a prefill engine the pass over a prompt
     # covered every position, a sizeable share of the prefill work on the bundled model, whose
     # acceptance is the same with 32 positions as with all, and lower with 16
     # (benchmarks/results/bench_spec.txt). 32 rather than 64 halves what MTP adds to a prefill
@@ -172,7 +172,7 @@ class EngineConfig:
     # engine (benchmarks/results/compile.txt); compiled on CUDA.
     enforce_eager: bool | None = None
     # How many drafts per step: "adaptive" (0..K from measured acceptance and step cost,
-    # worker/spec_policy.py) or "fixed" (always K). Applies to MTP; n-gram is always fixed.
+    # worker/spec_decode/policy.py) or "fixed" (always K). Applies to MTP; n-gram is always fixed.
     spec_policy: str = "adaptive"
     # Mixed into the default sampling seed so that engines sharing --seed do not share noise
     # (set by the engine process from its name, which is unique within a deployment).

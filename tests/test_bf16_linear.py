@@ -145,7 +145,7 @@ def test_fused_mtp_layer_matches_the_torch_layer(arch, query_lens, mtp_checkpoin
 
 
 def race_log_scores(drafter, h: torch.Tensor, meta) -> torch.Tensor:
-    """The log scores of the exponential race (worker/sampler.py, keyed rows) by which the Python path
+    """The log scores of the exponential race (worker/sample/sampler.py, keyed rows) by which the Python path
     draws these rows' drafts: log p - log E, E the Exp(1) draws of each row's own generator."""
     probs = drafter.sampler.compute_probs(drafter.model.compute_draft_logits(h).float(), meta)
     noise = torch.stack([torch.empty(probs.shape[1]).uniform_(generator=gen) for gen in meta.generators])
@@ -175,8 +175,8 @@ def test_fused_drafts_are_the_layer_by_layer_drafts(arch, temperature, mtp_check
     import tempfile
     from pathlib import Path
 
-    from worker.drafter import MTPDrafter
     from worker.models.llama import CausalLM
+    from worker.spec_decode.mtp import MTPDrafter
 
     prompts = random_prompts(6, 3, 90, 384, 91)
     vocab = "full"
@@ -206,7 +206,7 @@ def test_fused_drafts_are_the_layer_by_layer_drafts(arch, temperature, mtp_check
             if not fused:
                 races.append({"slots": batch.slots.tolist()})
             drafts = propose(self, batch, *args)
-            seen.append(drafts)
+            seen.append(drafts.token_ids)
             return drafts
 
         monkeypatch.setattr(MTPDrafter, "propose", recording)

@@ -179,13 +179,13 @@ def test_plain_greedy_batches_take_the_argmax_fast_path(qwen2_llm, references, m
     transformers' greedy tokens either way."""
     runner = qwen2_llm.engine.runner
     general = {"steps": 0}
-    metadata = runner._position_metadata
+    metadata = runner.verifier.position_metadata
 
     def counted(*a, **kw):
         general["steps"] += 1
         return metadata(*a, **kw)
 
-    monkeypatch.setattr(runner, "_position_metadata", counted)
+    monkeypatch.setattr(runner.verifier, "position_metadata", counted)
     prompts = random_prompts(3, 6, 12, VOCAB, 31)
     plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = qwen2_llm.generate(prompts, plain)

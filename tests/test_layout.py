@@ -217,3 +217,47 @@ def test_product_comments_carry_no_measurements():
              for number, text in comments_of(path) if MEASUREMENT.search(text)]
     assert not found, ("comments or docstrings with a measured time or ratio (say why, and point to "
                        "benchmarks/results/ for the numbers):\n" + "\n".join(found))
+
+
+# Choosing a token happens in worker/sample/ alone (issue 47): a call below, anywhere else in the
+# product, is a second place that samples. worker/fused_ops.py defines the kernels (and their torch
+# references) that the sampling package calls.
+SAMPLING_PACKAGE = "worker/sample/"
+SAMPLING_KERNELS = "worker/fused_ops.py"
+SAMPLING_METHODS = {"argmax", "multinomial", "rejection_verify", "sample_from_probs", "uniform_", "exponential_",
+                    "default_generator"}
+
+
+def sampling_calls(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, what) of every call in `tree` that picks a token or draws noise for one: an argmax, a
+    draw, the rejection kernel, a call given a generator, a Sampler constructed."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr in SAMPLING_METHODS:
+            yield node.lineno, f".{func.attr}("
+        elif isinstance(func, ast.Name) and func.id in ("Sampler", "argmax", "multinomial"):
+            yield node.lineno, f"{func.id}("
+        elif any(kw.arg == "generator" for kw in node.keywords):
+            yield node.lineno, "a call with generator="
+
+
+def test_sampling_calls_are_recognised():
+    source = ("x.argmax(-1)\nfused_ops.argmax(l)\nfused_ops.rejection_verify(a)\ntorch.multinomial(p, 1)\n"
+              "torch.rand(3, generator=g)\nSampler(seed=1)\nq.uniform_(generator=g)\ns.sample_from_probs(p, m)\n")
+    assert len(list(sampling_calls(ast.parse(source)))) == len(source.splitlines())
+    assert not list(sampling_calls(ast.parse("x.max(-1)\ntorch.softmax(l, -1)\nmodel.compute_logits(h)\n")))
+
+
+def test_only_the_sampling_package_samples_tokens():
+    """No product module outside worker/sample/ picks a token: the verifier owns every way a target
+    token is chosen, and the drafters pick theirs through worker/sample/draft.py."""
+    bad = []
+    for pkg in PRODUCT:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if rel.startswith(SAMPLING_PACKAGE) or rel == SAMPLING_KERNELS:
+                continue
+            bad += [f"{rel}:{line} {what}" for line, what in sampling_calls(ast.parse(path.read_text(), rel))]
+    assert not bad, "token sampling outside worker/sample/:\n" + "\n".join(bad)

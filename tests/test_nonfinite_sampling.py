@@ -15,11 +15,11 @@ import math
 import pytest
 import torch
 from conftest import bf16_drafter_with_draft_vocab, random_prompts
+from reference_rejection_sampler import RejectionSampler
 
 from engine import LLM, SamplingParams
 from worker import fused_ops
-from worker.rejection_sampler import RejectionSampler
-from worker.sampler import Sampler, SamplingMetadata, make_generator
+from worker.sample.sampler import Sampler, SamplingMetadata, make_generator
 
 V = 40
 NAN, INF = float("nan"), float("inf")

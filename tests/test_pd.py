@@ -96,16 +96,16 @@ def test_decode_drafts_from_the_hidden_states_prefill_hands_over(kv_mode, mtp_ch
     drafter runs the layer over them when it first drafts. D's first drafts are then the
     colocated engine's (the same hidden states, the same layer); without them (the handed-over
     states dropped on D) they are not."""
-    from worker.drafter import MTPDrafter
+    from worker.spec_decode.mtp import MTPDrafter
 
     prompts = random_prompts(12, 40, 120, VOCAB, 76)
     model = str(mtp_checkpoints["qwen2"])
     first: dict[tuple[int, ...], list[int]] = {}  # prompt + t0 + t1 -> the drafts proposed after it
     propose = MTPDrafter.propose
 
-    def recording(self, batch, hidden, accepted, k, draft_meta):
-        drafts = propose(self, batch, hidden, accepted, k, draft_meta)
-        for slot, d in zip(batch.slots.tolist(), drafts):
+    def recording(self, batch, hidden, accepted, k, draft_meta, kv_tap=None):
+        drafts = propose(self, batch, hidden, accepted, k, draft_meta, kv_tap)
+        for slot, d in zip(batch.slots.tolist(), drafts.token_ids):
             key = tuple(self.states.all_token_ids[slot, : self.states.total_len_np[slot]].tolist())
             if d and any(len(key) == len(p) + 2 and list(key[: len(p)]) == p for p in prompts):
                 first[key] = d
@@ -124,7 +124,7 @@ def test_decode_drafts_from_the_hidden_states_prefill_hands_over(kv_mode, mtp_ch
     colocated = first_drafts(colocated=True)
     pd = first_drafts()
     assert sum(pd[key] == colocated[key] for key in colocated) >= len(prompts) - 1
-    monkeypatch.setattr(MTPDrafter, "seed", lambda self, slot, num_computed, hidden: None)
+    monkeypatch.setattr(MTPDrafter, "seed_from_handoff", lambda self, slot, num_computed, hidden: None)
     monkeypatch.setenv("PDSERVE_DEBUG_INVARIANTS", "0")
     dropped = first_drafts()
     assert sum(dropped[key] == colocated[key] for key in colocated) <= len(prompts) // 2

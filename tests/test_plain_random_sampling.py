@@ -1,5 +1,5 @@
 """Decode steps whose rows all sample at a plain temperature draw with one C++ pass
-(ModelRunner._sample_plain_random): the tokens must follow softmax(logits / T) of the model, as
+(Verifier._sample_plain_random): the tokens must follow softmax(logits / T) of the model, as
 transformers computes it, for each row's own temperature."""
 from __future__ import annotations
 
@@ -25,16 +25,16 @@ def small_vocab_model(tmp_path_factory):
 def test_plain_temperature_decode_steps_follow_the_distribution(small_vocab_model, monkeypatch):
     import transformers
 
-    from worker.model_runner import ModelRunner
+    from worker.sample.verifier import Verifier
 
     fast_rows = []
-    original = ModelRunner._sample_plain_random
+    original = Verifier._sample_plain_random
 
     def counted(self, slots, hidden):
         fast_rows.append(len(slots))
         return original(self, slots, hidden)
 
-    monkeypatch.setattr(ModelRunner, "_sample_plain_random", counted)
+    monkeypatch.setattr(Verifier, "_sample_plain_random", counted)
     llm = LLM(str(small_vocab_model), max_model_len=32, max_num_seqs=256)
     temperatures = [1.0 if i % 2 else 0.6 for i in range(N)]  # mixed in every batch
     outs = llm.generate([PROMPT] * N, [SamplingParams(temperature=t, max_tokens=2, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""Tests for worker.rejection_sampler: greedy prefix matching, exact distribution preservation
+"""Tests for reference_rejection_sampler: greedy prefix matching, exact distribution preservation
 of speculative rejection sampling, seeded reproducibility, and output-shape invariants.
 
 Distribution tests put many identical requests in one batch (one call, many trials),
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 from distributions import CHI2_MIN_P_VALUE, assert_matches_distribution, reference_probs
+from reference_rejection_sampler import RejectionOutput, RejectionSampler
 from scipy import stats
 
-from worker.rejection_sampler import RejectionOutput, RejectionSampler
-from worker.sampler import Sampler, SamplingMetadata, make_generator
+from worker.sample.sampler import Sampler, SamplingMetadata, make_generator
 
 # ----------------------------------------------------------------- helpers
 

@@ -1,4 +1,4 @@
-"""Tests for worker.sampler: penalties, bans, greedy, distribution filters, seeding, logprobs.
+"""Tests for worker.sample.sampler: penalties, bans, greedy, distribution filters, seeding, logprobs.
 
 Distribution tests compare against a numpy (float64) reference in tests/distributions.py,
 independently of the sampler's torch code, and use a fixed sampler seed so the
@@ -11,7 +11,7 @@ import pytest
 import torch
 from distributions import assert_matches_distribution, reference_probs
 
-from worker.sampler import (
+from worker.sample.sampler import (
     LogprobsTensors,
     Sampler,
     SamplerOutput,

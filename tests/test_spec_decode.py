@@ -179,7 +179,7 @@ def test_stale_drafts_in_reused_slot_do_not_change_output(mtp_checkpoints, refer
 
 
 def test_ngram_lookup():
-    from worker.drafter import NgramDrafter
+    from worker.spec_decode.ngram import NgramDrafter
 
     d = NgramDrafter(states=None, num_tokens=3)  # type: ignore[arg-type]
     assert d.lookup([1, 2, 3, 4, 1, 2]) == [3, 4, 1]

@@ -45,7 +45,7 @@ def test_spec_sampling_matches_non_spec_distribution(small_vocab_model, top_p, s
     target's distribution although two tokens can never be drafted. Seeded requests draw coupled
     drafts (verified by matching the target's keyed samples); unseeded ones at plain temperature
     draw independent drafts, verified by the standard rejection sampler with their q."""
-    from worker.model_runner import ModelRunner
+    from worker.sample.verifier import Verifier
 
     vocab = "auto"
     if subset is not None:
@@ -54,7 +54,7 @@ def test_spec_sampling_matches_non_spec_distribution(small_vocab_model, top_p, s
     verified = collections.Counter()
 
     def counted(name: str):
-        original = getattr(ModelRunner, name)
+        original = getattr(Verifier, name)
 
         def counting(self, logits, *args):
             verified[name] += logits.shape[0]
@@ -62,7 +62,7 @@ def test_spec_sampling_matches_non_spec_distribution(small_vocab_model, top_p, s
         return counting
 
     for name in ("_verify_independent", "_verify_matching"):
-        monkeypatch.setattr(ModelRunner, name, counted(name))
+        monkeypatch.setattr(Verifier, name, counted(name))
     base, _ = sample_counts(small_vocab_model, spec=False, top_p=top_p)
     verified.clear()
     spec, accept = sample_counts(small_vocab_model, spec=True, top_p=top_p, draft_vocab=vocab, seeded=seeded)
@@ -108,7 +108,7 @@ def test_a_batch_mixing_unseeded_seeded_and_greedy_rows():
     def watched(batch, *args):
         drafts = propose(batch, *args)
         if not runner.states.plain_random[batch.slots].all():  # a greedy or seeded row among them
-            mixed_steps.append(runner.drafter.probs is None)
+            mixed_steps.append(drafts.probs is None)
         return drafts
 
     runner.drafter.propose = watched

@@ -12,7 +12,7 @@ from pd_harness import ThreadedEngines, client_for, generate_all, running_client
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from worker.drafter import MTPDrafter
+from worker.spec_decode.mtp import MTPDrafter
 
 VOCAB = 384
 
@@ -33,7 +33,7 @@ def test_min_tokens_ending_inside_the_verify_window(mtp_checkpoints, references,
     def planted(self, batch, rows, h, last_pos, k, draft_meta):
         st = self.states
         outs = [int(st.total_len_np[s] - st.prompt_len[s]) for s in batch.slots[rows]]
-        return [(ref + [2] * 16)[n : n + k] for n in outs]
+        return [(ref + [2] * 16)[n : n + k] for n in outs], None
 
     base = LLM(model, max_model_len=64, block_size=4).generate([prompt], params)[0]
     assert base.token_ids == ref[: j + 1] and base.finish_reason == "stop"
@@ -65,9 +65,13 @@ def drafts_by_position(model: str, prompts, schedule=None, stash_positions: int 
     seen: dict[tuple[str, int], tuple[int, ...]] = {}
     original = MTPDrafter.propose
 
+    flushes = 0
+
     def recording(self, batch, *args):
+        nonlocal flushes
         drafts = original(self, batch, *args)
-        for req_id, slot, d in zip(batch.req_ids, batch.slots, drafts):
+        flushes += drafts.flushed
+        for req_id, slot, d in zip(batch.req_ids, batch.slots, drafts.token_ids):
             if d:
                 seen[(req_id, int(self.states.total_len_np[slot]))] = tuple(d[:1])
         return drafts
@@ -75,11 +79,10 @@ def drafts_by_position(model: str, prompts, schedule=None, stash_positions: int 
     monkeypatch.setattr(MTPDrafter, "propose", recording)
     for i, p in enumerate(prompts):
         core.add_request(p, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True), req_id=f"r{i}")
-    max_pending, flushes = 0, 0
+    max_pending = 0
     while core.has_unfinished():
         core.step()
         max_pending = max(max_pending, int(runner.states.mtp_pending.max()))
-        flushes += runner.drafter.flushed
     monkeypatch.setattr(MTPDrafter, "propose", original)
     return {"drafts": seen, "max_pending": max_pending, "flushes": flushes}
 
@@ -265,10 +268,10 @@ def test_engines_with_the_same_seed_do_not_share_unseeded_noise(checkpoints, tmp
 def assert_seeded_tie(model, prompt: list[int], ours: list[int], theirs: list[int], params: SamplingParams,
                       label: str) -> None:
     """Two seeded outputs of one request that differ must first differ at a float-noise tie: the
-    exponential race (worker/sampler.py) over the reference's distribution there, with that output
+    exponential race (worker/sample/sampler.py) over the reference's distribution there, with that output
     index's noise, has the two tokens on top, their log scores within the conftest logit-gap
     tolerance scaled by the temperature."""
-    from worker.sampler import position_generator
+    from worker.sample.sampler import position_generator
 
     i = next(n for n, (a, b) in enumerate(zip(ours, theirs)) if a != b)
     with torch.no_grad():

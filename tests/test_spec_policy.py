@@ -1,4 +1,4 @@
-"""The speculation policy on its own (worker/spec_policy.py), fed synthetic step costs and
+"""The speculation policy on its own (worker/spec_decode/policy.py), fed synthetic step costs and
 acceptance: no model, no engine. The drafter and engines it steers: tests/test_spec_drafter.py."""
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from math import prod
 
 import pytest
 
-from worker.spec_policy import SpecPolicy, SpecPolicyMode, batch_bucket
+from worker.spec_decode import policy as policy_module
+from worker.spec_decode.policy import SpecPolicy, SpecPolicyMode, batch_bucket
 
 # ----------------------------------------------------------------- the policy on its own
 
@@ -39,7 +40,7 @@ def test_expected_tokens_is_one_plus_cumulative_acceptance():
 
 
 def test_a_few_early_drafts_do_not_settle_a_later_positions_acceptance():
-    """A later position's acceptance starts from the one before it, worth `prior_drafts` drafts:
+    """A later position's acceptance starts from the one before it, worth `PRIOR_DRAFTS` drafts:
     one unlucky warm-up measurement (4 of 16 second drafts kept where the first keeps 56%) must
     not make k=2 look hopeless, and many drafts still pull the estimate to what they show."""
     policy = SpecPolicy(2)
@@ -95,7 +96,7 @@ def test_a_batch_moving_within_its_bucket_does_not_make_k_look_cheap():
 
 
 def test_paired_ratio_compares_steps_of_one_batch_size():
-    from worker.spec_policy import paired_ratio
+    from worker.spec_decode.policy import paired_ratio
 
     k_steps, plain = [(10.2, 12), (12.0, 15), (12.1, 15)], [(5.2, 12), (5.5, 15), (5.4, 15)]
     assert paired_ratio(k_steps, plain) == pytest.approx((10.2 / 5.2 + 12.05 / 5.45) / 2)
@@ -127,7 +128,7 @@ def test_plain_steps_slowed_by_the_drafting_before_them_do_not_make_k_look_cheap
 def test_while_k0_wins_only_the_closest_k_is_re_measured_on_schedule():
     """Each measurement at a big batch costs steps at 2-3x a plain one: while not drafting wins, the
     scheduled re-measurements take the k that comes closest to winning (here k=1), not every k in
-    turn; the others wait `implausible_every` intervals."""
+    turn; the others wait `IMPLAUSIBLE_EVERY` intervals."""
     policy = SpecPolicy(3, explore_every=50)
     # Acceptance 0.8 per position: tokens/s against k=0 -- k=1 1.05x, k=2 1.02x, k=3 0.98x.
     chosen = feed(policy, 16, [5.0, 8.6, 12.0, 15.0], [0.8, 0.8, 0.8], 3000)
@@ -164,7 +165,7 @@ def test_unseen_batch_size_borrows_its_neighbours_costs():
     policy = SpecPolicy(2)
     feed(policy, 16, [5.0, 10.0, 14.0], [0.8, 0.8], 100)
     # A passing batch size (a draining batch) decides from bucket 16 instead of exploring.
-    assert [policy.choose(12) for _ in range(policy.settle_decisions)] == [0] * policy.settle_decisions
+    assert [policy.choose(12) for _ in range(policy_module.SETTLE_DECISIONS)] == [0] * policy_module.SETTLE_DECISIONS
     assert [batch_bucket(b) for b in (1, 4, 5, 6, 7, 12, 13, 33, 48)] == [1, 4, 4, 6, 6, 12, 12, 32, 48]
 
 
@@ -196,7 +197,7 @@ def test_a_k_that_clearly_loses_is_not_measured_again_at_every_batch_size():
     policy = SpecPolicy(2, explore_every=50, first_reexplore=50)
     feed(policy, 16, [5.0, 10.0, 14.0], [0.5, 0.5], 100)  # rates vs k=0: 1.5/2 and 1.75/2.8
     assert policy.best_k(16) == 0
-    rare = policy.implausible_every * 50
+    rare = policy_module.IMPLAUSIBLE_EVERY * 50
     chosen = feed(policy, 12, [5.0, 10.0, 14.0], [0.5, 0.5], rare + 100)
     assert set(chosen[:rare]) == {0}, policy.summary()
     assert set(chosen[rare:]) > {0}  # ... and then it does
@@ -297,16 +298,16 @@ def test_a_due_re_measurement_waits_for_little_backfill():
 def test_a_bucket_next_to_a_measured_one_warms_up_with_one_pair_per_k():
     """Serving moves a decode batch between neighbouring buckets (12..16 rows under PD): a bucket
     whose neighbour has measured k already takes that ratio as its prior and measures k once itself,
-    not `warmup_pairs` times (each measurement holds k for steps that may cost 2-3x a plain one)."""
+    not `WARMUP_PAIRS` times (each measurement holds k for steps that may cost 2-3x a plain one)."""
     def pairs_at_12(policy: SpecPolicy) -> list[int]:
         feed(policy, 12, [5.0, 9.5, 13.0], [0.8, 0.8], 60)  # settles (16 decisions), warms up
         return [policy.buckets[12, False].ratios[k].count for k in (1, 2)]
 
     alone = SpecPolicy(2, prune=0.0)
-    assert pairs_at_12(alone) == [alone.warmup_pairs] * 2
+    assert pairs_at_12(alone) == [policy_module.WARMUP_PAIRS] * 2
     beside = SpecPolicy(2, prune=0.0)
     feed(beside, 16, [5.0, 9.5, 13.0], [0.8, 0.8], 100)
-    assert [beside.buckets[16, False].ratios[k].count >= beside.warmup_pairs for k in (1, 2)] == [True, True]
+    assert [beside.buckets[16, False].ratios[k].count >= policy_module.WARMUP_PAIRS for k in (1, 2)] == [True, True]
     assert pairs_at_12(beside) == [1, 1], beside.summary()
 
 
@@ -315,7 +316,7 @@ def test_a_warm_up_waits_for_little_backfill():
     warm-up, like a re-measurement, waits for a moment with few positions to backfill."""
     policy = SpecPolicy(2, prune=0.0)
     feed(policy, 16, [5.0, 9.5, 13.0], [0.8, 0.8], 100)  # k=0 is best at 16; 12 will borrow that
-    waited = [policy.choose(12, pending=12 * 100) for _ in range(3 * policy.settle_decisions)]
+    waited = [policy.choose(12, pending=12 * 100) for _ in range(3 * policy_module.SETTLE_DECISIONS)]
     assert set(waited) == {0} and policy.buckets[12, False].explorations == 0
     assert 0 < policy.choose(12, pending=12 * 2)  # few pending: it warms up now
 
@@ -331,14 +332,14 @@ def test_a_warm_up_that_never_sees_little_backfill_still_ends():
 
 def test_resuming_drafting_near_break_even_takes_a_wider_margin():
     """Rows that skipped the MTP layer for a while make the first drafting step pay its backfill: a k
-    that wins by less than `resume_margin` is not resumed while much is pending (near break-even the
+    that wins by less than `RESUME_MARGIN` is not resumed while much is pending (near break-even the
     decision would flip with the noise and pay a backfill at each flip); with little pending it is."""
     policy = SpecPolicy(2, prune=0.0)
     feed(policy, 16, [5.0, 7.0, 10.0], [0.6, 0.6], 300)  # rates vs k=0: k=1 1.6/1.4 = 1.14, k=2 0.98
     assert policy.best_k(16) == 1, policy.summary()
     assert set(policy.choose(16, pending=16 * 100) for _ in range(20)) == {0}, policy.summary()
     assert policy.choose(16, pending=16 * 2) == 1
-    assert policy.best_k(16, extra=policy.resume_margin) == 0
+    assert policy.best_k(16, extra=policy_module.RESUME_MARGIN) == 0
 
 
 @pytest.mark.parametrize("draft_ms, held_share", [(8.37, 0.0), (15.0, 0.7)])

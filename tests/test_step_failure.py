@@ -3,6 +3,8 @@ the loop goes on, the invariants hold (PDSERVE_DEBUG_INVARIANTS=1), and later re
 served exactly (issue 45: no request may crash or freeze an engine)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import random_prompts
 
@@ -37,7 +39,7 @@ def tokens(updates: list[RequestUpdate]) -> list[int]:
     return [t for u in updates for t in u.new_token_ids]
 
 
-@pytest.mark.parametrize("where", ["_sample", "_write_back", "drafter.propose"])
+@pytest.mark.parametrize("where", ["verifier.sample", "_write_back", "drafter.propose"])
 def test_a_failing_step_fails_only_its_requests(llm, monkeypatch, where):
     """Steps 1-2 run A and B (max_num_seqs=2: C waits); step 3 raises `where` in the runner, after
     the forward (and, for _write_back / drafter.propose, after the runner changed its own state).
@@ -51,8 +53,8 @@ def test_a_failing_step_fails_only_its_requests(llm, monkeypatch, where):
     seen = [u for _ in range(2) for u in core.step()]
     assert {u.req_id for u in seen} == {"a", "b"}
 
-    owner = core.runner.drafter if where.startswith("drafter.") else core.runner
-    name = where.removeprefix("drafter.")
+    part, _, name = where.rpartition(".")
+    owner = getattr(core.runner, part) if part else core.runner
     original = getattr(owner, name)
 
     def boom(*args, **kwargs):
@@ -80,14 +82,14 @@ def test_an_out_of_vocabulary_token_fails_the_step(llm, monkeypatch):
     nor fed back as input: the step's requests fail and the engine goes on."""
     core = llm.engine
     prompt = random_prompts(1, 10, 10, VOCAB, 5)[0]
-    original = core.runner._sample
+    original = core.runner.verifier.sample
 
     def bad_token(batch, hidden):
-        accepted, logprobs = original(batch, hidden)
-        return [[VOCAB] for _ in accepted], logprobs
+        tokens = original(batch, hidden)
+        return dataclasses.replace(tokens, accepted=[[VOCAB] for _ in tokens.accepted])
 
     core.add_request(prompt, GREEDY, req_id="bad")
-    monkeypatch.setattr(core.runner, "_sample", bad_token)
+    monkeypatch.setattr(core.runner.verifier, "sample", bad_token)
     failed = core.step()
     monkeypatch.undo()
     assert [(u.req_id, u.finish_reason, u.new_token_ids) for u in failed] == [("bad", FinishReason.ERROR, [])]
@@ -110,7 +112,7 @@ def test_a_failing_step_over_http(tmp_path, mode, instance):
             httpx.Client(base_url=s.url, timeout=60) as http:
         before = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
         runner = s.engines[instance].core.runner
-        original, calls = runner._sample, []
+        original, calls = runner.verifier.sample, []
 
         def fails_once(*args, **kwargs):
             calls.append(1)
@@ -118,11 +120,11 @@ def test_a_failing_step_over_http(tmp_path, mode, instance):
                 raise RuntimeError("injected fault")
             return original(*args, **kwargs)
 
-        runner._sample = fails_once
+        runner.verifier.sample = fails_once
         try:
             r = http.post("/v1/completions", json=body)
         finally:
-            runner._sample = original
+            runner.verifier.sample = original
         assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"], r.text
         assert http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == before
         assert http.get("/health").status_code == 200

@@ -48,10 +48,16 @@ class InputBatch:
     samples: np.ndarray        # [B] bool, rows that produce tokens this step
 
     def __post_init__(self) -> None:
-        # A plain decode step: every row computes one token (so verifies no drafts) of a finished
-        # prompt, and samples. Most steps under load are; asked several times a step.
-        self.steady = (len(self.slots) == int(self.layout.query_start_loc[-1]) and not self.is_prefilling.any()
-                       and bool(self.samples.all()))
+        # Every row decodes: a finished prompt's row that samples (so it verifies its drafts, if any).
+        self._decodes = not self.is_prefilling.any() and bool(self.samples.all())
+        # A steady step: every row decodes one token (so verifies no drafts). Most steps under load
+        # are; asked several times a step.
+        self.steady = self._decodes and len(self.slots) == int(self.layout.query_start_loc[-1])
+
+    def steady_with(self, k: int) -> bool:
+        """Whether every row decodes and verified exactly k drafts (k=0: a steady step): the steps
+        whose cost the speculation policy learns from."""
+        return self.steady if not k else self._decodes and bool((self.num_drafts == k).all())
 
     def num_valid(self, accepted: list[list[int]]) -> np.ndarray:
         """Per row, the leading positions of this step whose KV is now valid: all of a prefill

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.types import TokenLogprobs
-from worker.sampler import Sampler
+from worker.sample.sampler import Sampler
 
 if TYPE_CHECKING:
     from worker.input_batch import InputBatch

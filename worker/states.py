@@ -13,7 +13,7 @@ import torch
 
 from engine.types import SamplingParams
 from scheduler.output import CachedRequestData, NewRequestData
-from worker.sampler import GREEDY_TEMPERATURE_EPS
+from worker.sample.sampler import GREEDY_TEMPERATURE_EPS
 
 
 class RequestStates:
@@ -55,7 +55,7 @@ class RequestStates:
         # from this instance's stream (`noise_seed` differs between engine instances, so P and D never share noise).
         self.seeds: list[int] = [0] * s
         self._unseeded = random.Random(noise_seed)
-        # MTP layer positions still owed KV (decode steps taken without drafting; worker/drafter.py).
+        # MTP layer positions still owed KV (decode steps taken without drafting; worker/spec_decode/mtp.py).
         self.mtp_pending = np.zeros(s, i32)
 
         # Device side.

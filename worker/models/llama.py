@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from worker import fused_ops
 from worker.attention import CacheWriter
 from worker.models.layers import AttentionBackend, DecoderLayer, RMSNorm, RotaryEmbedding
 from worker.models.linear import BF16_MAX_ROWS, Linear, gemm_weight
@@ -99,17 +98,16 @@ class CausalLM(nn.Module):
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for proposing drafts from an MTP hidden state (in the drafter's precision)."""
-        logits = (self.draft_head or self.lm_head)(hidden).float()
+        logits = self.draft_head_logits(hidden)
         if self.draft_vocab is None:
             return logits
         full = torch.full((hidden.shape[0], self.config.vocab_size), float("-inf"), device=hidden.device)
         return full.index_copy_(1, self.draft_vocab, logits)
 
-    def greedy_draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """compute_draft_logits(hidden).argmax(-1) as int32, without spreading a draft
-        vocabulary's logits over the whole one (its ids are sorted: ties go to the lowest id alike)."""
-        best = fused_ops.argmax((self.draft_head or self.lm_head)(hidden).float())
-        return (best if self.draft_vocab is None else self.draft_vocab[best]).to(torch.int32)
+    def draft_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft head's fp32 logits over the draft vocabulary (the whole one without a draft
+        vocabulary): what worker/sample/draft.py takes the greedy drafts' argmax of."""
+        return (self.draft_head or self.lm_head)(hidden).float()
 
     def fused_drafts(self, hidden: torch.Tensor, last_pos: torch.Tensor, k: int, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, block_table: torch.Tensor, block_size: int, window: int | None,
@@ -118,7 +116,7 @@ class CausalLM(nn.Module):
                      draft_probs: torch.Tensor | None = None) -> torch.Tensor | None:
         """k drafts per row [rows, k] (int32) as one C++ op (mtp_draft): draft 0 from the MTP hidden
         states `hidden` at positions `last_pos`, each next one from the layer run once more; what
-        `greedy_draft_tokens` (or, with `noise`, the coupled draw of `MTPDrafter._pick`) and
+        `sample.draft.greedy_draft_tokens` (or, with `noise`, the coupled draw of `pick_draft_tokens`) and
         `mtp_forward` compute draft by draft. With `pass_ids`, `hidden` holds the target's hidden
         states of each row's `pass_len` positions up to `last_pos`, which the MTP layer first runs
         over (x_{i+1} = pass_ids). `noise` [rows, k, vocab]: the uniforms the verifier samples each

@@ -1,11 +1,15 @@
-"""Verification of speculative draft tokens: greedy prefix matching and rejection sampling.
+"""The reference rejection sampler (tests only): the standard algorithm over explicit distributions.
+
+The engine verifies drafts in worker/sample/ (``accept_matching_prefix`` and the C++
+``fused_ops.rejection_verify``); this module keeps the textbook form that the tests compare them
+with and check for exactness. What follows describes both.
 
 One target forward scores ``1 + k_b`` positions for request ``b``: position 0
 predicts the token after the last accepted one (and so verifies draft 1),
 position ``j`` predicts the token after draft ``j`` (verifying draft ``j + 1``),
 and position ``k_b`` yields the bonus token when every draft is accepted.
 
-The engine verifies with :func:`accept_matching_prefix` (below): every position is
+The engine verifies with :func:`worker.sample.matching.accept_matching_prefix`: every position is
 sampled from the target distribution -- with noise keyed by (request seed, output
 index) for a seeded request and at every drafted position, from the engine's default
 generator elsewhere -- and the drafts are accepted while they equal those samples. For a draft
@@ -63,43 +67,12 @@ from dataclasses import dataclass
 import torch
 
 from worker import fused_ops
-from worker.sampler import GREEDY_TEMPERATURE_EPS, Sampler, SamplingMetadata
+from worker.sample.matching import RejectionOutput, accept_matching_prefix
+from worker.sample.sampler import GREEDY_TEMPERATURE_EPS, Sampler, SamplingMetadata
+
+__all__ = ["RejectionOutput", "RejectionSampler", "accept_matching_prefix"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RejectionOutput:
-    """Result of verifying one batch of drafts."""
-
-    # Per request: the accepted drafts followed by one bonus/recovered token (length 1..k_b+1).
-    accepted_token_ids: list[list[int]]
-    # Per request: how many drafts were accepted (0..k_b); the scheduler rolls back k_b minus this.
-    num_accepted_drafts: list[int]
-
-
-def accept_matching_prefix(target_token_ids: Sequence[int], num_draft_tokens: Sequence[int],
-                           draft_token_ids: Sequence[Sequence[int]]) -> RejectionOutput:
-    """Verification by sampling: keep the drafts that equal the target's own samples, then one more.
-
-    ``target_token_ids`` holds, per request in order, the ``1 + k_b`` tokens the target
-    sampler drew at the verified positions (argmax for greedy rows, a draw with the
-    position's keyed noise for random rows). Draft ``j`` is accepted while it equals the
-    target token at position ``j``; the first mismatch (or the bonus position) contributes
-    the target's token. Each emitted token is the target's sample at its position given the
-    accepted prefix, so the output is distributed exactly as without speculation -- and for
-    a fixed noise it is the very same sequence.
-    """
-    accepted, num_accepted = [], []
-    start = 0
-    for k, drafts in zip(num_draft_tokens, draft_token_ids):
-        m = 0
-        while m < k and drafts[m] == target_token_ids[start + m]:
-            m += 1
-        accepted.append(list(drafts[:m]) + [int(target_token_ids[start + m])])
-        num_accepted.append(m)
-        start += 1 + k
-    return RejectionOutput(accepted_token_ids=accepted, num_accepted_drafts=num_accepted)
 
 
 @dataclass
@@ -317,7 +290,7 @@ class RejectionSampler:
             draft_starts[b] + j for b, (k, g) in enumerate(zip(ks, meta.generators)) if g is None for j in range(k)
         ]
         if unseeded:
-            default_gen = self.sampler._default_generator(device)  # noqa: SLF001 - same package
+            default_gen = self.sampler.default_generator(device)
             draws = torch.rand(len(unseeded), generator=default_gen, device=device)
             if len(unseeded) == num_drafts:
                 uniforms = draws

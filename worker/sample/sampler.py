@@ -272,10 +272,10 @@ class Sampler:
     def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
         self._seed = seed
         self._default_generators: dict[torch.device, torch.Generator] = {}
-        self._default_generator(torch.device(device))
+        self.default_generator(torch.device(device))
         logger.debug("Sampler ready (seed=%s, device=%s)", seed, device)
 
-    def _default_generator(self, device: torch.device) -> torch.Generator:
+    def default_generator(self, device: torch.device) -> torch.Generator:
         # One generator per device: logits may live on a device other than the one
         # named at construction (e.g. tests on CPU with a GPU-configured sampler).
         if device.type == "cuda" and device.index is None:
@@ -471,7 +471,7 @@ class Sampler:
         if unkeyed:
             rows = probs if len(unkeyed) == num_rows else probs[torch.tensor(unkeyed, device=probs.device)]
             cdf = rows.cumsum(dim=-1)
-            u = torch.rand(len(unkeyed), 1, generator=self._default_generator(probs.device), device=probs.device)
+            u = torch.rand(len(unkeyed), 1, generator=self.default_generator(probs.device), device=probs.device)
             total = cdf[:, -1:].contiguous()
             # (capped at the last token of nonzero mass, the first to reach the total, should rounding
             # ever put u * total at the total: a banned or masked token must never come out)

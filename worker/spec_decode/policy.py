@@ -39,6 +39,36 @@ from dataclasses import dataclass, field
 logger = logging.getLogger(__name__)
 
 
+# Fixed settings of the policy. None is a knob: each was chosen once, and the run that showed it
+# is cited where there is one, by file, date and commit; those runs are in the git history of
+# benchmarks/results/ (bench_spec.txt, spec_serving.md, bench_spec_adaptive.txt).
+PRIOR_ACCEPTANCE = 0.5    # each draft's acceptance before any is verified
+ACCEPTANCE_ALPHA = 0.01   # the EWMA's weight of one verified draft, once the plain mean has 1/alpha of them
+# What a position's prior weighs, in verified drafts (see record_acceptance).
+PRIOR_DRAFTS = 16
+WARMUP_SAMPLES = 3        # timed steady k=0 steps of a bucket before it exploits
+# Measurements (k, then k=0) of each k>0 in a warm-up; one where a neighbouring bucket has measured k
+# already (bench_spec.txt, 2026-12-01 21:30, commit 24dd08a).
+WARMUP_PAIRS = 2
+HOLD_STEPS = 3            # a measurement holds k this long past the transition step (bench_spec.txt, 22:36)
+# Decisions in a row at a bucket before it is measured for itself: a bucket the batch only passes
+# through is not (spec_serving.md, 2026-12-03 17:03, commit 982ed38).
+SETTLE_DECISIONS = 16
+# How much faster drafting must look than not drafting, plus DOUBT over the number of cost ratios
+# behind it (bench_spec_adaptive.txt: the 0.2/n doubt; spec_serving.md, 2026-12-03 12:34: the
+# fewest drafts within the margin of the best).
+MARGIN = 1.03
+DOUBT = 0.2
+# Re-measure when the skipped MTP positions are at most this many per row (bench_spec.txt,
+# 2026-12-01 18:40: the backfill of a resumed drafting step at 16 rows).
+BACKFILL_PER_ROW = 8
+IMPLAUSIBLE_EVERY = 8     # a k pruned as implausible is re-measured after this many intervals
+# Added to the margin while the rows have much backfill pending (bench_spec.txt, 2026-12-01 22:36, 59d46d8).
+RESUME_MARGIN = 0.1
+# Plain steps after drafting that run slower (see Exploration; spec_serving.md, 2026-12-03 14:20 / 14:26).
+SETTLE_STEPS = 2
+
+
 class SpecPolicyMode(enum.StrEnum):
     ADAPTIVE = "adaptive"
     FIXED = "fixed"
@@ -126,7 +156,7 @@ class Exploration:
     """k held for a few steps, compared with k=0 steps right next to it: on a machine whose speed
     drifts (other processes come and go) the ratio of the two compares like with like. The k=0 steps
     are those just before when there are (a k=0 regime), else k=0 held right after, past the
-    `settle_steps` that follow drafting: on a CPU the plain steps right after drafting run slower
+    `SETTLE_STEPS` that follow drafting: on a CPU the plain steps right after drafting run slower
     for a while (the forward and the sampler alike: the heavier steps' after-effects on the caches),
     and timing those would make k look cheaper than it is when held."""
 
@@ -157,25 +187,21 @@ class Held:
 class SpecPolicy:
     num_spec: int
     mode: SpecPolicyMode = SpecPolicyMode.ADAPTIVE
-    prior_acceptance: float = 0.5
-    acceptance_alpha: float = 0.01    # per verified draft
-    prior_drafts: int = 16            # what a position's prior weighs, in verified drafts (see record_acceptance)
-    warmup_samples: int = 3           # timed steady-state steps of k=0 before exploiting
-    warmup_pairs: int = 2             # explorations (k, then k=0) per k>0 before exploiting
-    hold_steps: int = 3               # an exploration holds k this long past the transition step
-    explore_every: int = 500          # decisions per bucket between re-measurements (at most)
+    # The knobs: each switches a mechanism whose cost or gain a run showed (cited as above), and the
+    # tests turn it to single the mechanism out. Re-measuring and its back-off: bench_spec.txt (2026-12-01 18:40,
+    # 92cf44b: the b16/b32 losses were the measurements and their backfill).
+    explore_every: int = 500          # decisions per bucket between re-measurements (at most) ...
     first_reexplore: int = 32         # ... starting this soon and doubling
-    settle_decisions: int = 16        # decisions in a row at a bucket before it is measured for itself
-    margin: float = 1.03              # how much faster drafting must look than not drafting ...
-    doubt: float = 0.2                # ... plus this over the number of cost ratios behind it
-    backfill_per_row: int = 8         # re-measure when the skipped MTP positions are at most this per row
-    prune: float = 0.8                # a k estimated below this share of k=0's tokens/s is not measured ...
-    implausible_every: int = 8        # ... except after this many re-measurement intervals
     thin_acceptance: int = 64         # drafts verified at position 1 below which re-measuring does not back off
-    surprise: float = 0.25            # re-measure a k in use whose recent median is this far off its estimate
-    resume_margin: float = 0.1        # added to the margin while the rows have much backfill pending
-    hold_decisions: int = 32          # a k=0 decision stands this many decisions (see Held)
-    settle_steps: int = 2             # plain steps after drafting that run slower (see Exploration)
+    # A k estimated below this share of k=0's tokens/s is not measured (each measurement at a big
+    # batch costs several plain steps plus the backfill); re-measured every IMPLAUSIBLE_EVERY intervals.
+    prune: float = 0.8
+    # Re-measure a k in use whose recent median is this far off its estimate (bench_spec.txt,
+    # 2026-12-03 12:36, f52e291; spec_serving.md, 2026-12-03 14:20 / 14:26: a tighter one re-measured on noise).
+    surprise: float = 0.25
+    # A k=0 decision stands this many decisions, without the estimates' bookkeeping (see Held;
+    # bench_spec.txt, 2026-12-03 12:36, be28ee0).
+    hold_decisions: int = 32
     acceptance: list[Ewma] = field(default_factory=list)
     buckets: dict[BucketKey, BucketCosts] = field(default_factory=dict)
     # The engine's time between runner steps: the median of the last few, not a mean. On a decode engine
@@ -193,7 +219,7 @@ class SpecPolicy:
     _order: dict[BucketKey, list[BucketKey]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.acceptance = [Ewma(self.prior_acceptance) for _ in range(self.num_spec)]
+        self.acceptance = [Ewma(PRIOR_ACCEPTANCE) for _ in range(self.num_spec)]
         self.chosen_k_counts = [0] * (self.num_spec + 1)
 
     # -- observations ----------------------------------------------------------------------
@@ -210,18 +236,19 @@ class SpecPolicy:
                 # The prior of a later position: the one before it (conditional acceptance varies
                 # little along the chain on the bundled model, benchmarks/results/bench_spec.txt).
                 est.value = self.acceptance[i - 1].value
-            # A plain mean of everything seen, the prior counted as `prior_drafts` of them, until
+            # A plain mean of everything seen, the prior counted as `PRIOR_DRAFTS` of them, until
             # there are 1/alpha observations (the first few drafts must not count for more than they
             # are worth: a later position sees drafts only while k reaches it, and 16 unlucky ones in
             # a warm-up kept k=2 out at batch 1, T=1, for thousands of steps), an EWMA after that;
             # a batch of n observations weighs like n single updates.
-            alpha = max(1 - (1 - self.acceptance_alpha) ** n, n / (est.count + n + self.prior_drafts))
+            alpha = max(1 - (1 - ACCEPTANCE_ALPHA) ** n, n / (est.count + n + PRIOR_DRAFTS))
             est.value += alpha * (sum(seen) / n - est.value)
             est.count += n
 
     def record_step(self, batch_size: int, k: int, seconds: float, sampled: bool = False) -> None:
-        """A steady-state decode step: every row verified k drafts and proposed k for the next;
-        `sampled`: some row samples (else all are greedy)."""
+        """The time of a step steady at k (InputBatch.steady_with: every row decoded and verified k
+        drafts; no stash flush) that proposed k for the next; `sampled`: some row drew from a
+        distribution (else all are greedy)."""
         costs = self._bucket(batch_size, sampled)
         costs.steps[k].update(costs.decisions, seconds, batch_size)
         e = self._exploration
@@ -301,23 +328,23 @@ class SpecPolicy:
             rates = self._rates(estimates)
             stale = max((k for k in plausible if k), key=rates.__getitem__)
         stalest = min(range(self.num_spec + 1), key=lambda k: costs.last_measured[k])
-        if costs.decisions - costs.last_measured[stalest] > self.implausible_every * interval:
+        if costs.decisions - costs.last_measured[stalest] > IMPLAUSIBLE_EVERY * interval:
             stale = stalest
         # A due re-measurement, and a warm-up (the rows of a bucket that settles have been skipping the
         # MTP layer at their previous batch size), wait for a moment with little backfill to pay
         # (new rows, a flush), up to 4 intervals (a warm-up: 4 first ones, see below).
-        little = pending <= self.backfill_per_row * batch_size
+        little = pending <= BACKFILL_PER_ROW * batch_size
         due = stays and self._due(costs, stale, interval, little)
         # Resuming drafting first pays the backfill of every skipped position: with much of it
-        # pending, drafting must win by `resume_margin` more (near break-even, the decision would
+        # pending, drafting must win by `RESUME_MARGIN` more (near break-even, the decision would
         # flip with the noise and pay a backfill at each flip).
-        best = self.best_k(bucket, estimates, 0.0 if little else self.resume_margin)
+        best = self.best_k(bucket, estimates, 0.0 if little else RESUME_MARGIN)
         if not due and self._surprised(costs, best, estimates):
             stale, due = best, True
         # (The warm-up's wait is bounded by the first re-measurement interval, not the current one, which
         # grows with every measurement: the last k of a warm-up would wait ~1000 decisions for its turn.)
         warm = bool(unmeasured) and settled and (unmeasured[0] == 0 or little or costs.decisions
-                                                 > self.settle_decisions + 4 * self.first_reexplore)
+                                                 > SETTLE_DECISIONS + 4 * self.first_reexplore)
         if warm or due:
             return self._explore(bucket, costs, unmeasured[0] if warm else stale, None if warm else best)
         # (Held only when k=0 wins without the resume margin too: else a drop in pending resumes at once.)
@@ -338,7 +365,7 @@ class SpecPolicy:
     def _stays(self, costs: BucketCosts) -> bool:
         """Whether the batch stays at the current bucket (`costs`): for a while now, or usually (so a
         re-measurement may start as the batch arrives, when the rows have the least backfill pending)."""
-        return self._streak > self.settle_decisions or costs.visits.value > self.settle_decisions
+        return self._streak > SETTLE_DECISIONS or costs.visits.value > SETTLE_DECISIONS
 
     def _plausible(self, bucket: BucketKey) -> list[int]:
         """The k that could win at `bucket`. Measuring k costs a few steps at k (a big batch on a CPU
@@ -354,11 +381,11 @@ class SpecPolicy:
         """The plausible k, largest first, that `bucket` has not measured enough yet (its warm-up)."""
         def unmeasured_k(k: int) -> bool:
             if not k:
-                return costs.steps[0].count < self.warmup_samples
+                return costs.steps[0].count < WARMUP_SAMPLES
             # One measurement of its own suffices where a neighbour has measured k already: the
             # ratios of nearby batch sizes are alike, and one ratio still carries the full doubt.
             count = costs.ratios[k].count
-            return count < 1 or (count < self.warmup_pairs and not self._neighbour_measured(bucket, k))
+            return count < 1 or (count < WARMUP_PAIRS and not self._neighbour_measured(bucket, k))
 
         return [k for k in range(self.num_spec, -1, -1) if k in plausible and unmeasured_k(k)]
 
@@ -377,18 +404,18 @@ class SpecPolicy:
         """Whether the held k=0 decision (if any) still stands for this decision of `bucket`."""
         held = self._held
         return (held is not None and held.bucket == bucket and costs.decisions <= held.until
-                and not self._due(costs, held.stale, held.interval, pending <= self.backfill_per_row * batch_size))
+                and not self._due(costs, held.stale, held.interval, pending <= BACKFILL_PER_ROW * batch_size))
 
     def _explore(self, bucket: BucketKey, costs: BucketCosts, k: int, before: int | None) -> int:
         """Start measuring k at `bucket`: hold k (its first step is a transition, not timed), and take
         the k=0 steps just before it for the ratio, else hold k=0 right after; `before`: the decision
         a re-measurement may confirm."""
         costs.explorations += 1
-        settled = self._clock - self._drafted_at > self.settle_steps + self.hold_steps
+        settled = self._clock - self._drafted_at > SETTLE_STEPS + HOLD_STEPS
         recent = [(x, rows) for stamp, x, rows in costs.steps[0].samples
-                  if settled and stamp >= costs.decisions - self.hold_steps]
-        after = k and len(recent) < self.hold_steps
-        plan = [k] * self.hold_steps + ([0] * (self.settle_steps + self.hold_steps + 1) if after else [])
+                  if settled and stamp >= costs.decisions - HOLD_STEPS]
+        after = k and len(recent) < HOLD_STEPS
+        plan = [k] * HOLD_STEPS + ([0] * (SETTLE_STEPS + HOLD_STEPS + 1) if after else [])
         costs.last_measured[k] = costs.last_measured[0] = costs.decisions
         self._exploration = Exploration(bucket, k, plan, before, timed_0=[] if after else recent)
         return k
@@ -403,7 +430,7 @@ class SpecPolicy:
         """Record a finished (or abandoned: the batch moved on) measurement's ratio C(k)/C(0)."""
         self._held = None
         if e.k and e.timed_k and e.timed_0:
-            ratio = paired_ratio(e.timed_k, e.timed_0[-self.hold_steps:])
+            ratio = paired_ratio(e.timed_k, e.timed_0[-HOLD_STEPS:])
             explored = self.buckets[e.bucket]
             explored.ratios[e.k].update(explored.decisions, ratio)
             if e.before is not None:
@@ -429,7 +456,7 @@ class SpecPolicy:
         since, window = costs.last_measured[k], costs.steps[k].size
         if not k or estimates[k] is None or costs.decisions - since <= 4 * window:
             return False
-        recent = [x for stamp, x, _ in costs.steps[k].samples if stamp > since + 2 * self.hold_steps + 1]
+        recent = [x for stamp, x, _ in costs.steps[k].samples if stamp > since + 2 * HOLD_STEPS + 1]
         if len(recent) < window:
             return False
         return abs(statistics.median(recent) / estimates[k] - 1) > self.surprise
@@ -437,7 +464,7 @@ class SpecPolicy:
     def _neighbour_measured(self, bucket: BucketKey, k: int) -> bool:
         """Whether another bucket within a factor of 2 in batch size has a warmed-up ratio for k."""
         size = bucket[0]
-        return any(key != bucket and size / 2 <= key[0] <= size * 2 and c.ratios[k].count >= self.warmup_pairs
+        return any(key != bucket and size / 2 <= key[0] <= size * 2 and c.ratios[k].count >= WARMUP_PAIRS
                    for key, c in self.buckets.items())
 
     def _may_win(self, k: int, estimates: list[float | None]) -> bool:
@@ -515,9 +542,9 @@ class SpecPolicy:
         best = max(range(1, self.num_spec + 1), key=rates.__getitem__, default=0)
         # The fewest drafts within `margin` of the best: a longer chain must win clearly too (its
         # estimate rests on the acceptance of later positions and on noisier, costlier timings).
-        best = min((k for k in range(1, best + 1) if rates[k] * self.margin >= rates[best]), default=best)
+        best = min((k for k in range(1, best + 1) if rates[k] * MARGIN >= rates[best]), default=best)
         evidence = self._nearest(bucket, lambda c: c.ratios[best].count or None) or 1
-        return best if rates[best] > rates[0] * (self.margin + extra + self.doubt / evidence) else 0
+        return best if rates[best] > rates[0] * (MARGIN + extra + DOUBT / evidence) else 0
 
     def _rates(self, estimates: list[float | None]) -> list[float]:
         """Expected tokens per second of each k (0.0 where its cost is unknown)."""

@@ -1,40 +1,21 @@
-"""Draft proposers for speculative decoding: the MTP layer (recursive) and n-gram prompt lookup.
-
-Both run after the step's tokens are written back, and return per batch row the drafts to
-verify next step ([] for rows that did not sample, and for every row when the policy chose 0).
-"""
+"""The MTP drafter: the target's multi-token-prediction layer, run recursively to draft."""
 from __future__ import annotations
 
 import collections
-import enum
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from worker import fused_ops, invariants, kernels
+from worker import invariants, kernels
 from worker.attention import AttentionContext, CacheWriter, default_backend
 from worker.input_batch import InputBatch, StepLayout
 from worker.kv_tap import StepTap
 from worker.models.llama import CausalLM
-from worker.sampler import Sampler, SamplingMetadata
+from worker.sample.draft import coupled_chain_args, independent_chain_args, pick_draft_tokens
+from worker.sample.sampler import Sampler
+from worker.spec_decode.drafter import DraftMetadataFn, DraftMode, Drafts
 from worker.states import RequestStates
 from worker.structured import DraftWalk, GrammarStates
-
-# (slots of the drafting rows, draft index j) -> settings of output position n_out + j of each
-# row, with that position's keyed generator; None when every row is greedy.
-DraftMetadataFn = Callable[[np.ndarray, int], SamplingMetadata | None]
-
-
-class DraftMode(enum.StrEnum):
-    GREEDY = "greedy"    # argmax of the draft logits, whatever the request's temperature
-    COUPLED = "coupled"  # random rows: drawn from the draft distribution with the verifier's noise
-    # As COUPLED, except that unseeded plain-temperature rows (RequestStates.plain_random) draw their
-    # drafts from the draft distribution q with fresh noise, and q goes to the standard rejection
-    # sampler: it accepts with probability sum_v min(p_v, q_v), the most any coupling can, where
-    # the coupled race agrees less often (benchmarks/bench_draft_sampling.py). Seeded rows stay
-    # coupled: their output must not depend on how many drafts were verified when.
-    INDEPENDENT = "independent"
 
 
 class MTPDrafter:
@@ -75,37 +56,29 @@ class MTPDrafter:
         # Past this many steady steps an entry's positions have left the window of every row that decoded since.
         self._deferred_cap = (window or 62) + 2
         self.mode = DraftMode.INDEPENDENT
-        # The last propose()'s independently drawn drafts: their distributions [rows, k, draft vocab]
-        # and the batch rows they belong to (None when no row drew independently).
-        self.probs: torch.Tensor | None = None
-        self.probs_rows: np.ndarray | None = None
-        self.flushed = False  # whether the last propose() ran the layer for rows that did not draft
-        self.kv_tap: StepTap | None = None  # this step's tapped prompt rows (set by the runner)
+        self.writes_kv = True  # the MTP layers have their own paged cache
         self.check_invariants = invariants.enabled()
         # Draft chains as one C++ op, where the MTP layer is fused and attention is the C++ kernel's.
         self.fused_chain = (device.type == "cpu" and default_backend(device) == "cpp"
                             and kv_views[0][0].dtype == torch.float32)
 
     def propose(self, batch: InputBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,
-                draft_meta: DraftMetadataFn) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in batch.req_ids]
-        self.probs = self.probs_rows = None
-        self.flushed = False
-        if self.kv_tap is not None and self.window is not None:
+                draft_meta: DraftMetadataFn, kv_tap: StepTap | None = None) -> Drafts:
+        if kv_tap is not None and self.window is not None:
             # A prefill engine in PD (it never drafts). Rather than run the layer over its prompts'
             # last `window` positions, it hands their hidden states to the decode instance, whose
             # drafter runs the layer over them as over a stash -- the first time it drafts for the
             # request, which under load may be never.
-            self.kv_tap.hand_over_hidden(batch.req_ids, batch.layout, hidden, self.window)
-            self.kv_tap.last_layer_done()
-            return drafts
-        if not k and self.kv_tap is None and batch.steady and self._stash_one_each(batch, hidden):
+            kv_tap.hand_over_hidden(batch.req_ids, batch.layout, hidden, self.window)
+            kv_tap.last_layer_done()
+            return Drafts.none(batch, k)
+        if not k and kv_tap is None and batch.steady and self._stash_one_each(batch, hidden):
             # The common k=0 step under load (one position per row, nothing to hand over or verify):
-            # stashed without the general bookkeeping below, which cost a few percent of such a step.
-            return drafts
+            # stashed without the general bookkeeping below, a visible share of such a step.
+            return Drafts.none(batch, k)
         self._materialize()  # (below, the stash is read and written directly)
         n_valid = batch.num_valid(accepted)
-        if k and self.kv_tap is None:
+        if k and kv_tap is None:
             fused = self._fused_steady(batch, hidden, n_valid, accepted, k, draft_meta)
             if fused is not None:
                 return fused
@@ -113,29 +86,35 @@ class MTPDrafter:
         # step: they need the MTP layer's KV of every prompt position now (no later pass would
         # backfill it; that includes a prompt cached up to its last token, which starts here as a
         # decode row). (Such an engine never drafts: ModelRunner.proposes_drafts.)
-        handed_over = (self.kv_tap.tapped(batch.req_ids) if self.kv_tap is not None
+        handed_over = (kv_tap.tapped(batch.req_ids) if kv_tap is not None
                        else np.zeros(len(batch.req_ids), dtype=bool))
         drafting = batch.samples & (k > 0)
         in_pass = batch.is_prefilling | drafting | handed_over
         overflow = self._stash(batch, hidden, n_valid, ~in_pass)
-        self.flushed = bool(overflow.any())
         in_pass |= overflow
+        drafts = Drafts.none(batch, k)
+        drafts.flushed = bool(overflow.any())
         if not in_pass.any():
             return drafts
         pass_rows = np.nonzero(in_pass)[0]
-        h = self._mtp_pass(batch, hidden, n_valid, pass_rows, accepted, drafting[pass_rows])
-        if self.kv_tap is not None:
-            self.kv_tap.last_layer_done()
+        h = self._mtp_pass(batch, hidden, n_valid, pass_rows, accepted, drafting[pass_rows], kv_tap)
+        if kv_tap is not None:
+            kv_tap.last_layer_done()
         rows = np.nonzero(drafting)[0]
         if not len(rows):
             return drafts
         last_pos = (batch.layout.num_computed + n_valid - 1)[rows]
-        table = self._draft(batch, rows, h, last_pos, k, draft_meta)
+        table, drafts.probs = self._draft(batch, rows, h, last_pos, k, draft_meta)
+        if drafts.probs is not None:
+            drafts.probs_rows = rows
         for row, d in zip(rows.tolist(), table):
-            drafts[row] = d
+            drafts.token_ids[row] = d
         return drafts
 
-    def seed(self, slot: int, num_computed: int, hidden: torch.Tensor) -> None:
+    def backfill(self, slots: np.ndarray) -> int:
+        return int(self.states.mtp_pending[slots].sum())
+
+    def seed_from_handoff(self, slot: int, num_computed: int, hidden: torch.Tensor) -> None:
         """A request admitted with `num_computed` positions whose MTP layer did not run (a PD handoff):
         `hidden`, the target's hidden states of the last of them, becomes its stash, so that the
         layer runs over them the first time the row drafts. (Through the deferred copies: a slot's
@@ -147,7 +126,7 @@ class MTPDrafter:
         self.states.mtp_pending[slot] = n
 
     def _fused_steady(self, batch: InputBatch, hidden: torch.Tensor, n_valid: np.ndarray,
-                      accepted: list[list[int]], k: int, draft_meta: DraftMetadataFn) -> list[list[int]] | None:
+                      accepted: list[list[int]], k: int, draft_meta: DraftMetadataFn) -> Drafts | None:
         """A drafting step where every row is a decode row with nothing stashed: the MTP pass over
         the kept positions and the draft chain as one C++ op (no attention context built on the
         host). None where the step is not such a step (the general path below then runs)."""
@@ -170,13 +149,17 @@ class MTPDrafter:
         dev = self.device
         sampling["pass_ids"] = torch.tensor([t for toks in accepted for t in toks], dtype=torch.int32, device=dev)
         sampling["pass_len"] = torch.from_numpy(n_valid.astype(np.int32)).to(dev)
-        return self._fused_drafts(h_in, batch.layout.num_computed + n_valid - 1, batch.layout.block_tables, k,
-                                  sampling, np.arange(len(slots)))
+        fused = self._fused_drafts(h_in, batch.layout.num_computed + n_valid - 1, batch.layout.block_tables, k,
+                                   sampling)
+        if fused is None:
+            return None
+        table, probs = fused
+        return Drafts(table, k, probs, None if probs is None else np.arange(len(slots)))
 
     def _fused_drafts(self, h: torch.Tensor, last_pos: np.ndarray, block_tables: np.ndarray, k: int,
-                      args: dict, rows: np.ndarray) -> list[list[int]] | None:
-        """CausalLM.fused_drafts over this drafter's MTP cache for batch `rows`; `args`: its optional
-        arguments (with `draft_probs`, the rows' q are kept in self.probs)."""
+                      args: dict) -> tuple[list[list[int]], torch.Tensor | None] | None:
+        """CausalLM.fused_drafts over this drafter's MTP cache: the drafts, and their q where drawn
+        independently (`args` holds `draft_probs`); `args`: its optional arguments."""
         dev = self.device
         k_cache, v_cache = self.kv_views[self.model.config.num_hidden_layers]
         drafts = self.model.fused_drafts(h, torch.from_numpy(last_pos.astype(np.int64)).to(dev), k, k_cache, v_cache,
@@ -184,34 +167,17 @@ class MTPDrafter:
                                          self.block_size, self.sliding_window, **args)
         if drafts is None:
             return None
-        if "draft_probs" in args:
-            self.probs, self.probs_rows = args["draft_probs"], rows
-        return drafts.tolist()
+        return drafts.tolist(), args.get("draft_probs")
 
     def _fused_sampling(self, slots: np.ndarray, k: int, draft_meta: DraftMetadataFn) -> dict | None:
-        """How the C++ chain (CausalLM.fused_drafts) picks these rows' k drafts: {} for argmax;
-        for coupled draws, the uniforms each draft's output position is verified with and the
-        rows' inverse temperatures; None where it cannot (a row greedy among random ones, top-k,
-        top-p, min-p, a min_tokens ban: the Python path handles those)."""
+        """How the C++ chain (CausalLM.fused_drafts) picks these rows' k drafts (worker/sample/draft.py);
+        None where it cannot (the Python path handles those)."""
         if self.mode is DraftMode.GREEDY:
             return {}
         if self.mode is DraftMode.INDEPENDENT and self._independent(slots):
-            st, gen = self.states, self.sampler._default_generator(self.device)  # noqa: SLF001 - same package
-            inv_temps = [1.0 / st.sampling_params[s].temperature for s in slots.tolist()]
-            return {"noise": torch.rand(len(slots), k, 1, generator=gen, device=self.device),
-                    "inv_temp": torch.tensor(inv_temps, dtype=torch.float32, device=self.device),
-                    "draft_probs": torch.empty(len(slots), k, self.model.draft_head.out_features, device=self.device)}
-        metas = [draft_meta(slots, j) for j in range(k)]
-        if metas[0] is None:
-            return {}
-        if not all(m.no_greedy and m.no_top_k and m.no_top_p and m.no_min_p and m.banned_token_ids is None
-                   for m in metas):
-            return None
-        noise = torch.empty(len(slots), k, self.model.config.vocab_size, device=self.device)
-        for j, m in enumerate(metas):
-            for r, gen in enumerate(m.generators):
-                noise[r, j].uniform_(generator=gen)  # the draws the verifier makes for that position
-        return {"noise": noise, "inv_temp": 1.0 / metas[0].temperature.float()}
+            temps = [self.states.sampling_params[s].temperature for s in slots.tolist()]
+            return independent_chain_args(self.model, self.sampler, temps, k, self.device)
+        return coupled_chain_args(self.model, [draft_meta(slots, j) for j in range(k)], self.device)
 
     def _independent(self, slots: np.ndarray) -> bool:
         """Whether every row may draw its drafts independently: unseeded plain temperature, and past
@@ -306,7 +272,7 @@ class MTPDrafter:
             self._stash_bits = _bits(self.stash)
 
     def _mtp_pass(self, batch: InputBatch, hidden: torch.Tensor, n_valid: np.ndarray, rows: np.ndarray,
-                  accepted: list[list[int]], drafts_from: np.ndarray) -> torch.Tensor | None:
+                  accepted: list[list[int]], drafts_from: np.ndarray, kv_tap: StepTap | None) -> torch.Tensor | None:
         """The MTP layer over each row's stashed positions followed by this step's valid ones;
         returns its output at the last valid position of the rows where `drafts_from` (None if none).
 
@@ -343,13 +309,13 @@ class MTPDrafter:
         else:
             next_ids = self._gather_next_ids(slots, layout, start)
         st.mtp_pending[slots] = 0
-        return self._run_layer([batch.req_ids[r] for r in rows.tolist()], layout, h_in, next_ids, drafts_from)
+        return self._run_layer([batch.req_ids[r] for r in rows.tolist()], layout, h_in, next_ids, drafts_from, kv_tap)
 
     def _run_layer(self, req_ids: list[str], layout: StepLayout, h_in: torch.Tensor, next_ids: torch.Tensor,
-                   drafts_from: np.ndarray) -> torch.Tensor | None:
+                   drafts_from: np.ndarray, kv_tap: StepTap | None) -> torch.Tensor | None:
         """The layer over `layout`'s positions: whole at the last position of each row where
         `drafts_from` (its output, returned), only its K/V at the others (written first: the whole
-        layer attends them)."""
+        layer attends them; reported to `kv_tap`, if any)."""
         dev, lens, start = self.device, layout.query_lens, layout.num_computed
         kv_lens = lens - drafts_from
         if kv_lens.any():
@@ -362,8 +328,8 @@ class MTPDrafter:
             else:
                 kv_h, kv_ids = h_in, next_ids
             writer = CacheWriter(self.kv_views, kv_layout, self.block_size, dev)
-            if self.kv_tap is not None:
-                writer.tap = self.kv_tap.layer_tap([req_ids[r] for r in kv_rows.tolist()], kv_layout)
+            if kv_tap is not None:
+                writer.tap = kv_tap.layer_tap([req_ids[r] for r in kv_rows.tolist()], kv_layout)
             self.model.mtp_write_kv(0, kv_h, kv_ids, writer.positions, writer,
                                     has_position0=bool((kv_layout.num_computed == 0).any()))
         if not drafts_from.any():
@@ -388,9 +354,10 @@ class MTPDrafter:
         return next_ids
 
     def _draft(self, batch: InputBatch, rows: np.ndarray, h: torch.Tensor, last_pos: np.ndarray, k: int,
-               draft_meta: DraftMetadataFn) -> list[list[int]]:
-        """k drafts per row: the layer applied recursively on its own hidden state, one position
-        further each time. These KV writes land in lookahead slots that the next verify overwrites."""
+               draft_meta: DraftMetadataFn) -> tuple[list[list[int]], torch.Tensor | None]:
+        """k drafts per row, and their q where drawn independently: the layer applied recursively on
+        its own hidden state, one position further each time. These KV writes land in lookahead slots
+        that the next verify overwrites."""
         slots = batch.slots[rows]
         walk = self.grammar.draft_walk(slots.tolist()) if self.grammar is not None else None
         try:
@@ -400,13 +367,13 @@ class MTPDrafter:
                 walk.close()
 
     def _draft_walk(self, batch: InputBatch, rows: np.ndarray, h: torch.Tensor, last_pos: np.ndarray, k: int,
-                    draft_meta: DraftMetadataFn, walk: DraftWalk | None) -> list[list[int]]:
+                    draft_meta: DraftMetadataFn, walk: DraftWalk | None) -> tuple[list[list[int]], torch.Tensor | None]:
         slots = batch.slots[rows]
         sampling = self._fused_sampling(slots, k, draft_meta) if walk is None and self.fused_chain else None
         if sampling is not None:
-            drafts = self._fused_drafts(h, last_pos, batch.layout.block_tables[rows], k, sampling, rows)
-            if drafts is not None:
-                return drafts
+            fused = self._fused_drafts(h, last_pos, batch.layout.block_tables[rows], k, sampling)
+            if fused is not None:
+                return fused
         token = self._pick(h, slots, 0, draft_meta, walk)
         proposed = [token]
         block_tables = batch.layout.block_tables[rows]
@@ -417,21 +384,14 @@ class MTPDrafter:
             h = self.model.mtp_forward(0, h, token, step_ctx.positions, step_ctx, has_position0=False)
             token = self._pick(h, slots, i, draft_meta, walk)
             proposed.append(token)
-        return torch.stack(proposed, dim=1).tolist()
+        return torch.stack(proposed, dim=1).tolist(), None
 
     def _pick(self, h: torch.Tensor, slots: np.ndarray, j: int, draft_meta: DraftMetadataFn,
               walk: DraftWalk | None = None) -> torch.Tensor:
         """Draft j of each row from the MTP hidden states `h` (int32 token ids)."""
         meta = draft_meta(slots, j) if self.mode is not DraftMode.GREEDY else None
-        if meta is None and walk is None:
-            return self.model.greedy_draft_tokens(h)
-        logits = self.model.compute_draft_logits(h)
-        if walk is not None:  # a draft the grammar refuses could never be accepted: do not propose it
-            logits = logits.masked_fill(~walk.mask().to(logits.device), float("-inf"))
-        if meta is None:
-            token = fused_ops.argmax(logits).to(torch.int32)
-        else:
-            token = self.sampler(logits, meta).sampled_token_ids
+        # A draft the grammar refuses could never be accepted: it is not proposed.
+        token = pick_draft_tokens(self.model, self.sampler, h, meta, walk.mask() if walk is not None else None)
         if walk is not None:
             walk.accept(token.tolist())
         return token
@@ -440,39 +400,3 @@ class MTPDrafter:
 def _bits(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's memory as a numpy array of same-size integers (numpy has no bfloat16)."""
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
-
-
-class NgramDrafter:
-    """Prompt lookup: find the latest earlier occurrence of the last n tokens, propose what followed."""
-
-    def __init__(self, states: RequestStates, num_tokens: int, max_n: int = 4, min_n: int = 1,
-                 grammar: GrammarStates | None = None) -> None:
-        self.states, self.k, self.max_n, self.min_n = states, num_tokens, max_n, min_n
-        self.grammar = grammar  # structured output: drafts cut where the grammar refuses one
-        self.flushed = False
-        self.probs = self.probs_rows = None  # n-gram drafts are deterministic: verified by matching
-        self.kv_tap: StepTap | None = None  # unused: n-gram drafting writes no KV
-
-    def propose(self, batch: InputBatch, hidden: torch.Tensor, accepted: list[list[int]], k: int,
-                draft_meta: DraftMetadataFn) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in batch.req_ids]
-        if k == 0:
-            return drafts
-        for row in np.nonzero(batch.samples)[0].tolist():
-            slot = int(batch.slots[row])
-            tokens = self.states.all_token_ids[slot, : self.states.total_len_np[slot]].tolist()
-            drafts[row] = self.lookup(tokens)[:k]
-            if self.grammar is not None:
-                drafts[row] = drafts[row][: self.grammar.valid_prefix(slot, drafts[row])]
-        return drafts
-
-    def lookup(self, tokens: list[int]) -> list[int]:
-        arr = np.asarray(tokens)
-        for n in range(min(self.max_n, len(arr) - 1), self.min_n - 1, -1):
-            tail = arr[-n:]
-            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
-            hits = np.nonzero((windows == tail).all(axis=1))[0]
-            if len(hits):
-                start = int(hits[-1]) + n
-                return arr[start : start + self.k].tolist()
-        return []
