@@ -23,7 +23,8 @@ import zmq
 
 from engine import messages as msg
 from engine import settings
-from engine.config import ClusterKey, EngineConfig, KVTransferConfig
+from engine.cluster_key import ClusterKey
+from engine.config import EngineConfig, KVTransferConfig
 from engine.core import EngineCore
 from engine.grammar_prep import GrammarPrep
 from engine.link import HEARTBEAT_S, FrontEndLink

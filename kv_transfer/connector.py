@@ -39,7 +39,8 @@ from collections.abc import Callable
 import torch
 import zmq
 
-from engine.config import ClusterKey, KVTransferConfig
+from engine.cluster_key import ClusterKey
+from engine.config import KVTransferConfig
 from engine.request import Request
 from engine.types import EngineRole, FinishReason, KVTransferMode
 from kv_transfer.handshake import compat_hash, describe_difference

@@ -25,9 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engine import settings
+from engine.cluster_key import CLUSTER_KEY_FILE_ENV, ClusterKey
 from engine.config import (
-    CLUSTER_KEY_FILE_ENV,
-    ClusterKey,
     EngineConfig,
     KVTransferConfig,
     ModelConfig,
@@ -322,7 +321,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def cmd_keygen(args: argparse.Namespace) -> None:
     """A new cluster key, readable by its owner only. Every process of one deployment (front end,
     prefill, decode) gets the same file as PDSERVE_CLUSTER_KEY_FILE (a mounted secret)."""
-    from engine.config import ClusterKey
+    from engine.cluster_key import ClusterKey
 
     key = ClusterKey.generate()
     path = Path(args.path)

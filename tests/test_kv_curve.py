@@ -16,7 +16,8 @@ from kv_harness import VOCAB, greedy
 from pd_harness import ThreadedEngines, client_for, free_port, generate_all, running_client, wait_ready, wait_until
 
 from engine import messages as em
-from engine.config import ClusterKey, EngineConfig, check_bind
+from engine.cluster_key import ClusterKey, check_bind
+from engine.config import EngineConfig
 from kv_transfer import messages as m
 from server.metrics import ServerMetrics
 
