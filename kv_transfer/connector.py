@@ -58,7 +58,6 @@ class KVConnector:
     role: EngineRole = EngineRole.COLOCATED
     kv_endpoint: str = ""  # where decode instances dial this engine's KV port (prefill only)
     taps_layers = False    # the runner reports each layer's KV writes (tap_target, on_layer)
-    hands_off = False      # every request leaves after its first token (t0): this engine never verifies drafts
 
     def step_seconds(self, tokens: int) -> float | None:
         """What the engine predicts a step of `tokens` tokens costs (EngineCore points this at its
@@ -127,7 +126,6 @@ class PrefillConnector(KVConnector):
 
     role = EngineRole.PREFILL
     taps_layers = True
-    hands_off = True
 
     def __init__(self, sender: KVSender, kv_endpoint: str, layerwise_min_tokens: int | None = None) -> None:
         """`layerwise_min_tokens`: stream the layers of prompts at least this long (None: never)."""

@@ -109,7 +109,7 @@ class ModelRunner:
         # False on a prefill engine in PD: its requests leave after t0, so it runs the MTP layer over
         # the prompts (their MTP KV is handed over) but never drafts, and its steps neither consult
         # the policy nor count in the chosen-k metric (under load they would skew it toward k=0).
-        self.proposes_drafts = True
+        self.proposes_drafts = config.proposes_drafts
 
     # -- one step ------------------------------------------------------------------------
 
