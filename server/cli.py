@@ -42,8 +42,10 @@ from server.supervisor import Supervisor
 logger = logging.getLogger("pdserve")
 
 KV_PREFIX = "kv-"  # KVTransferConfig.lease_s is --kv-lease-s
-# `pdserve serve` starts its engines on ipc:// sockets of its own: only what the KV carries is asked.
+# `pdserve serve` places its engines' KV ports itself (ipc:// in its private folder) and keeps the
+# deadlines' defaults: of the KV settings it takes only how the KV travels.
 SERVE_KV_FIELDS = ("key", "checksum", "mode", "layerwise_min_tokens")
+
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add_flags(p, EngineConfig)
@@ -99,10 +101,7 @@ def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str, cluster_k
                                 stall_dead_after_s=args.stall_dead_after_s, cluster_key=cluster_key,
                                 extra_counters=extra_counters)
     raise_open_files_limit()
-    limits = HTTPLimits(body_read_timeout_s=args.body_read_timeout_s,
-                        max_in_flight_per_client=args.max_in_flight_per_client,
-                        max_in_flight_per_key=args.max_in_flight_per_key,
-                        max_response_entries=args.max_response_entries, max_stream_backlog=args.max_stream_backlog)
+    limits = from_args(HTTPLimits, args)
     app = build_app(client, load_tokenizer(model), args.served_model_name or Path(model).name,
                     api_key=args.api_key or None, grammar_timeout_s=args.grammar_timeout_s,
                     max_grammar_bytes=args.max_grammar_bytes, limits=limits)
@@ -277,17 +276,7 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
     """Bounds on clients (server/limits.py: why each default is far from what a fair client needs)."""
     from server.limits import HTTPLimits
 
-    d = HTTPLimits()
-    add_flag(p, "--body-read-timeout-s", float, d.body_read_timeout_s, "a request body must arrive whole within "
-             "this (408 and the connection closed otherwise); no serving slot is taken before it has")
-    add_flag(p, "--max-in-flight-per-client", int, d.max_in_flight_per_client, "requests in flight from one client "
-             "address (429 beyond; 0: off, e.g. behind a reverse proxy, where every request has its address)")
-    add_flag(p, "--max-in-flight-per-key", int, d.max_in_flight_per_key, "requests in flight per API key when "
-             "--api-key lists several keys (429 beyond; 0: off)")
-    add_flag(p, "--max-response-entries", int, d.max_response_entries, "refuse (400) a request whose response "
-             "could hold more than this many choices x max_tokens x (1 + logprobs)")
-    add_flag(p, "--max-stream-backlog", int, d.max_stream_backlog, "abort a stream (freeing its KV) once this many "
-             "tokens x (1 + logprobs) were generated while its client read nothing")
+    add_flags(p, HTTPLimits)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""server/flags.py: the command-line flags generated from EngineConfig and KVTransferConfig keep
+"""server/flags.py: the command-line flags generated from EngineConfig, KVTransferConfig and HTTPLimits keep
 the names and defaults the hand-written table had, mirror PDSERVE_<FLAG>, and a child process of
 `pdserve serve` parses its command line back into the same settings."""
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 from engine.config import EngineConfig, KVTransferConfig
 from engine.types import EngineRole, KVTransferMode, ServeMode
 from server import cli
-from server.flags import flags_of
+from server.flags import flags_of, from_args
+from server.limits import HTTPLimits
 
 # Every flag and its default as `main` had them before the flags were generated (bench and keygen aside).
 ENGINE = {
@@ -71,7 +72,7 @@ def test_every_command_keeps_its_flags_and_their_defaults(clean_env):
 
 
 def test_flag_defaults_are_the_dataclass_defaults(clean_env):
-    for cls, prefix in ((EngineConfig, ""), (KVTransferConfig, cli.KV_PREFIX)):
+    for cls, prefix in ((EngineConfig, ""), (KVTransferConfig, cli.KV_PREFIX), (HTTPLimits, "")):
         fields = {f.name: f for f in dataclasses.fields(cls)}
         for flag in flags_of(cls, prefix):
             f = fields[flag.field]
@@ -81,6 +82,7 @@ def test_flag_defaults_are_the_dataclass_defaults(clean_env):
     args = cli.parse_args(["prefill"])
     assert cli.engine_config(args) == EngineConfig(quantization="none", speculative_method="auto")
     assert cli.kv_config(args) == KVTransferConfig()
+    assert from_args(HTTPLimits, cli.parse_args(["server"])) == HTTPLimits()
 
 
 def test_flags_mirror_their_environment_variables_and_the_flag_wins(clean_env, monkeypatch):
