@@ -110,6 +110,6 @@ def to_argv(args: argparse.Namespace, cls: type, prefix: str = "") -> list[str]:
             argv += [flag.name] if value else []
         elif flag.parse is bool:
             argv.append(flag.name if value else "--no-" + flag.name.removeprefix("--"))
-        else:
-            argv += [flag.name, str(value)]
+        else:  # one word, so that a value starting with "-" is not taken for a flag
+            argv.append(f"{flag.name}={value}")
     return argv

@@ -103,7 +103,7 @@ def test_flags_mirror_their_environment_variables_and_the_flag_wins(clean_env, m
     [],
     ["--max-num-seqs", "8", "--no-enable-prefix-caching", "--enforce-eager", "--speculative-method", "ngram",
      "--quantization", "int8", "--mtp-window", "0", "--kv-memory-fraction", "0.125", "--model", "/m",
-     "--kv-checksum", "--kv-transfer-mode", "after-prefill", "--kv-layerwise-min-tokens", "7", "--kv-key", "k",
+     "--kv-checksum", "--kv-transfer-mode", "after-prefill", "--kv-layerwise-min-tokens", "7", "--kv-key=-k y",
      "--max-num-batched-tokens", "512", "--decode-max-num-batched-tokens", "256"],
 ])
 def test_serve_children_parse_back_to_the_same_settings(clean_env, flags):
