@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_serving import parse_prometheus  # noqa: E402
 from benchmarks.compare import free_port, wait_healthy  # noqa: E402
-from server.procs import stop_process_group  # noqa: E402
+from server.procs import start_tied, stop_process_group  # noqa: E402
 
 TIMERS = ("engine_steps_total", "engine_loop_busy_seconds_total", "engine_step_seconds_total",
           "engine_forward_seconds_total")
@@ -49,9 +49,9 @@ def served(args: argparse.Namespace) -> dict[str, float]:
     env = dict(os.environ, PDSERVE_LOG_LEVEL="WARNING")
     env.pop("PDSERVE_DEBUG_INVARIANTS", None)
     log = tempfile.NamedTemporaryFile("w", prefix="pdserve-overhead-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--mode", args.mode,
-                             "--speculative-method", "none", *args.serve_args], cwd=REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_tied([sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--mode", args.mode,
+                       "--speculative-method", "none", *args.serve_args], cwd=REPO, env=env, stdout=log,
+                      stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(proc, port)
         bench = [sys.executable, "-m", "server.cli", "bench", "--port", str(port), "--num-prompts",

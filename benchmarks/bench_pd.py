@@ -35,7 +35,7 @@ import zmq  # noqa: E402
 from benchmarks.common import mixed_prompts, pct, resolve_model  # noqa: E402
 from kv_transfer.receiver import KVReceiver  # noqa: E402
 from kv_transfer.sender import KVSender  # noqa: E402
-from server.procs import stop_process_group  # noqa: E402
+from server.procs import start_tied, stop_process_group  # noqa: E402
 
 # -- (a) transfer throughput -------------------------------------------------------------------
 
@@ -97,7 +97,7 @@ def start_server(model: str, mode: str, port: int, extra: list[str]) -> subproce
     argv = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--mode", mode, "--port", str(port),
             "--max-model-len", "2048", "--max-num-batched-tokens", "512", *extra]
     env = dict(os.environ, PDSERVE_LOG_LEVEL="WARNING")
-    return subprocess.Popen(argv, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL)
+    return start_tied(argv, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL)
 
 
 async def stream_one(client, url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:

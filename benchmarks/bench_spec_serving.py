@@ -11,7 +11,9 @@ medians of rounds. The MTP server's policy keeps what it measured from round to 
 long-running `make serve` does; a first, untimed round (`--warmup-rounds`) runs every workload once
 on every server, so that the timed rounds see the steady state (the policy's warm-up measurements,
 the prefix cache of the repeated prompts). The warm-up round's ratio is reported too: what a fresh
-server pays in its first minute. Writes `benchmarks/results/spec_serving.md`.
+server pays in its first minute. Writes `benchmarks/results/spec_serving.md` (the table; a hand-written
+"What it means" section below it is kept) and appends the run's numbers to `spec_serving_runs.jsonl`
+beside it (a `--quick` run only prints its table).
 
 A server's speed also depends on its start: an A/A of one code in two slots of one run measured
 1.07x and 0.99x at load16, and one pair of servers is one draw of that. So the pair is started
@@ -29,6 +31,7 @@ servers measure, against which a ratio near 1.0 is to be read.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -45,11 +48,11 @@ sys.path.insert(0, str(REPO))
 from benchmarks import bench_serving  # noqa: E402
 from benchmarks.compare import free_port, stdlib_sharegpt, wait_healthy  # noqa: E402
 from engine.config import DEFAULT_MODEL_DIR  # noqa: E402
-from server.procs import stop_process_group  # noqa: E402
+from server.procs import start_tied, stop_process_group  # noqa: E402
 
 SERVERS = {"mtp": [], "none": ["--speculative-method", "none"]}
 BASELINE = "baseline"  # the --baseline revision's default server
-HISTORY = "Every run"  # where the hand-kept history of an --out file starts (kept when it is rewritten)
+READING = "## What it means"  # the hand-written reading of the table, kept when the table is rewritten
 
 
 def workloads(data: Path, quick: bool) -> dict[str, list[str]]:
@@ -68,8 +71,8 @@ def start(flags: list[str], log: Path, repo: Path = REPO) -> tuple[subprocess.Po
     env = {**os.environ, "PDSERVE_LOG_LEVEL": "WARNING"}
     env.pop("PDSERVE_DEBUG_INVARIANTS", None)
     with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *flags],
-                                cwd=repo, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_tied([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *flags],
+                          cwd=repo, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, port
 
 
@@ -166,9 +169,19 @@ def main() -> None:
              "ITL p50 no spec / MTP (ms) | TTFT p50 no spec / MTP (ms) | MTP acceptance length | "
              "MTP steps by k chosen (mean share) | failed |",
              "|---|---:|---:|---:|---|---|---:|---:|---:|---|---:|"]
+    record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit(), "cores": os.cpu_count(),
+              "lifetimes": lifetimes, "timed_rounds": rounds, "warmup_rounds": warmup,
+              "noise_floor": args.noise_floor, "workloads": {}}
     for key in keys:
         base, mtp = med("none", key, "tok_s"), med("mtp", key, "tok_s")
         failed = sum(r[key]["failed"] for s in runs for r in runs[s])
+        record["workloads"][key] = {
+            "no_spec_tok_s": base, "mtp_tok_s": mtp, "ratio": statistics.median(ratios(key)),
+            "per_round": ratios(key), "warmup_round": ratios(key, rounds=warm),
+            "itl_p50_ms": [med("none", key, "itl_p50"), med("mtp", key, "itl_p50")],
+            "ttft_p50_ms": [med("none", key, "ttft_p50"), med("mtp", key, "ttft_p50")],
+            "acceptance_length": None if math.isnan(accept := med("mtp", key, "accept_len")) else accept,
+            "chosen_k": chosen_k(r[key]["chosen_k"] for r in runs["mtp"]), "failed": failed}
         lines.append(f"| {key} | {base:.1f} | {mtp:.1f} | {statistics.median(ratios(key)):.2f}x | "
                      f"{' '.join(f'{r:.2f}' for r in ratios(key))} | "
                      f"{' '.join(f'{r:.2f}' for r in ratios(key, rounds=warm)) or '-'} | "
@@ -185,12 +198,23 @@ def main() -> None:
                   f"{' '.join(f'{r:.2f}' for r in ratios(key, BASELINE))} | {med(BASELINE, key, 'accept_len'):.2f} | "
                   f"{chosen_k(r[key]['chosen_k'] for r in runs[BASELINE])} |" for key in keys]
     text = "\n".join(lines) + "\n"
+    print(text)
+    if args.quick:
+        return
     out = Path(args.out)
     before = out.read_text() if out.exists() else ""
-    if HISTORY in before:  # the runs before this one, kept below the table
-        text += "\n" + before[before.index(HISTORY):]
+    if READING in before:
+        text += "\n" + before[before.index(READING):]
     out.write_text(text)
-    print(text)
+    with out.with_name(out.stem + "_runs.jsonl").open("a") as runs_file:
+        runs_file.write(json.dumps(record) + "\n")
+
+
+def commit() -> str:
+    """HEAD's short hash, with `+` when the working tree differs from it."""
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD"]).returncode != 0
+    return head.stdout.strip() + ("+" if dirty else "")
 
 
 if __name__ == "__main__":

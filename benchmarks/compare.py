@@ -5,7 +5,9 @@ transformers `generate` behind a minimal streaming server.
 Each server runs alone (started, measured with `pdserve bench`, stopped) under the same thread
 budget of the machine's cores, split as the table says; the load generator and each front end are
 single-threaded asyncio processes outside that budget. Writes `benchmarks/results/compare.md`
-(Markdown tables + ratios), `compare.json`, per-run bench JSON/PNGs under `compare/`, and plots.
+(Markdown tables + ratios), `compare.json` (the numbers behind them, each run's headline numbers
+included) and one latency-CDF and one throughput plot per workload. Per-run bench JSON/PNGs, server
+logs and the generated datasets go to `--work-dir` (a temporary folder unless given).
 
 Workloads (the same requests, the same arrival times, for every server):
 - `code`: ShareGPT-format conversations cut from this Python's standard library sources (prompt:
@@ -26,6 +28,7 @@ import random
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import bench_serving  # noqa: E402
 from benchmarks.common import RANDOM_MODEL_NOTE, ensure_tokenizer, resolve_model  # noqa: E402
-from server.procs import stop_process_group  # noqa: E402
+from server.procs import start_tied, stop_process_group  # noqa: E402
 
 logger = logging.getLogger("compare")
 RESULTS = REPO / "benchmarks" / "results"
@@ -137,8 +140,8 @@ def free_port() -> int:
 def start(server: Server, model: str, port: int, log: Path) -> subprocess.Popen:
     env = dict(os.environ, PDSERVE_LOG_LEVEL="WARNING", **server.env)
     env.pop("PDSERVE_DEBUG_INVARIANTS", None)  # measure the production path, not the debug checks
-    return subprocess.Popen([*server.argv, "--model", model, "--port", str(port)], cwd=REPO, env=env,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return start_tied([*server.argv, "--model", model, "--port", str(port)], cwd=REPO, env=env,
+                      stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 180.0) -> None:
@@ -349,6 +352,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3,
                     help="request sets per workload (seeds seed..seed+N-1); the tables show medians over them")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--work-dir", default=None,
+                    help="per-run results, server logs, datasets (default: a fresh temporary folder)")
     ap.add_argument("--report-only", action="store_true", help="rewrite compare.md from compare.json, run nothing")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -366,8 +371,9 @@ def main() -> None:
     random_model = args.model is None and not (DEFAULT_MODEL_DIR / "config.json").is_file()
     ensure_tokenizer(model)  # a random-weight fallback has none; the bench needs text to time chunks
     out = Path(args.out)
-    run_dir = out / "compare"
+    run_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="pdserve-compare-"))
     run_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("per-run results and server logs in %s", run_dir)
     wanted = set(args.servers.split(","))
     srvs = [s for s in servers(args.cores) if s.key in wanted]
     results: dict[str, dict[str, dict]] = {}
@@ -398,7 +404,8 @@ def main() -> None:
             "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}",
             "workloads": {w: descriptions[w] for w in results}}
     (out / "compare.md").write_text(markdown(results, srvs, meta))
-    slim = {w: {k: {m: v for m, v in r.items() if m not in ("itls", "ttfts", "e2els", "input_lens", "output_lens")}
+    raw = ("itls", "ttfts", "e2els", "input_lens", "output_lens", "files")  # per request, or in the work folder
+    slim = {w: {k: {m: v for m, v in r.items() if m not in raw}
                 for k, r in res.items()} for w, res in results.items()}
     (out / "compare.json").write_text(json.dumps({"meta": meta, "results": slim}, indent=1, default=float))
     print((out / "compare.md").read_text())

@@ -21,7 +21,8 @@ then run Poisson load at `--soak-load` (0.8) of it for SECONDS, sampling the RSS
 report RSS growth (first vs last sample after warm-up, and a fitted slope), latency drift, and
 leaked KV blocks.
 
-Writes benchmarks/results/fault_drill.json / soak.json and fault_drill.md (from whichever exist).
+Writes benchmarks/results/fault_drill.json / soak.json and fault_drill.md (from whichever exist);
+the processes' logs go to `--log-dir` (a temporary folder unless given).
 
     python benchmarks/fault_drill.py [--model DIR] [--rate 2] [--skip-drill] [--soak 600]
 """
@@ -51,7 +52,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.bench_serving import RequestResult, client_limits, send_request  # noqa: E402
 from benchmarks.common import RANDOM_MODEL_NOTE, ensure_tokenizer, resolve_model  # noqa: E402
-from server.procs import stop_process_group  # noqa: E402
+from server.procs import start_tied, stop_process_group  # noqa: E402
 
 logger = logging.getLogger("fault_drill")
 RESULTS = REPO / "benchmarks" / "results"
@@ -88,8 +89,8 @@ class Cluster:
         env = dict(os.environ, PDSERVE_LOG_LEVEL="WARNING")
         env.pop("PDSERVE_DEBUG_INVARIANTS", None)
         log = (self.log_dir / f"{name}.log").open("a")
-        self.procs[name] = subprocess.Popen(self.argv(name), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+        self.procs[name] = start_tied(self.argv(name), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
         logger.info("started %s (pid %d)", name, self.procs[name].pid)
 
     def kill9(self, name: str) -> None:
@@ -517,6 +518,7 @@ def main() -> None:
     ap.add_argument("--rss-every-s", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--log-dir", default=None, help="the processes' logs (default: a fresh temporary folder)")
     ap.add_argument("--report-only", action="store_true",
                     help="rewrite fault_drill.md from the JSON files, run nothing")
     args = ap.parse_args()
@@ -536,8 +538,9 @@ def main() -> None:
     random_model = args.model is None and not (DEFAULT_MODEL_DIR / "config.json").is_file()
     vocab = ModelConfig.from_dir(model).vocab_size
     out = Path(args.out)
-    log_dir = out / "fault_drill_logs"
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-fault-drill-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("process logs in %s", log_dir)
     meta = {"model": model, "random_model": random_model, "threads": args.threads,
             "machine": f"{os.cpu_count()} CPU cores"}
 

@@ -20,7 +20,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from engine.grammar import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from engine.types import EngineRole, ServeMode
 from server.allocator import engine_env, reexec_with_tcmalloc
 from server.flags import add_flag, add_flags, from_args, to_argv
+from server.procs import start_tied
 from server.supervisor import Supervisor
 
 logger = logging.getLogger("pdserve")
@@ -150,7 +150,8 @@ def child_argv(args: argparse.Namespace, role: EngineRole, name: str, server_add
 
 
 def start_child(argv: list[str], env: dict[str, str], cpus: set[int] | None) -> subprocess.Popen:
-    proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], env=env)
+    # Tied to this process: with the front end gone (even by SIGKILL) nothing would ever stop it.
+    proc = start_tied(argv, cwd=Path(__file__).resolve().parents[1], env=env)
     if cpus is not None:
         os.sched_setaffinity(proc.pid, cpus)
     return proc
@@ -180,21 +181,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
             cpus = engine_cpus(len(supervisor.children), threads, cores) if args.cpu_affinity == "pin" else None
             supervisor.add(f"{role}-{i}", lambda argv=argv, cpus=cpus: start_child(argv, env, cpus))
     supervisor.start()
-    children = supervisor.processes
 
-    def shutdown(*_):
-        supervisor.stop()
-        for child in children():
-            if child.poll() is None:
-                child.terminate()
-        deadline = time.monotonic() + 5
-        for child in children():
-            try:
-                child.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-
-    signal.signal(signal.SIGTERM, lambda *_: (shutdown(), sys.exit(0)))
+    signal.signal(signal.SIGTERM, lambda *_: (supervisor.stop(), sys.exit(0)))
     url = f"http://{args.host}:{args.port}"
     print(f"pdserve: {args.mode} mode, {', '.join(f'{n} x {r}' for r, n in roles)}; serving on {url}; "
           f"engines connect to {server_addr}" + (" with a fresh cluster key" if env_key else "") + "\n"
@@ -206,7 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        shutdown()
+        supervisor.stop()
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

@@ -5,6 +5,9 @@ wait for one up to --resume-wait-s), and the restarted engine registers by itsel
 off (1 s, doubling to 30 s, reset once an engine has run for a minute) and are bounded per engine
 (MAX_RESTARTS within WINDOW_S): an engine that keeps dying at start, a bad flag or a model that
 does not fit, is left dead with an error in the log rather than restarted forever.
+
+The engines die with the front end (server/procs.py, `start_tied`): an engine it restarted is tied
+to the supervisor's thread, so that thread is also the one that stops them all at shutdown.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ POLL_S = 0.5
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
 HEALTHY_AFTER_S = 60.0   # an engine that ran this long starts its backoff afresh
 MAX_RESTARTS, WINDOW_S = 5, 600.0
+STOP_GRACE_S = 5.0       # after SIGTERM, before SIGKILL
 
 
 @dataclass
@@ -51,11 +55,14 @@ class Supervisor:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop restarting engines and stop them: SIGTERM, SIGKILL what is left after STOP_GRACE_S.
+        The supervisor's thread does it before it ends, since an engine it restarted gets SIGKILL the
+        moment that thread ends, with no chance to leave cleanly (server/procs.py)."""
         self.stopping.set()
-        self._thread.join(POLL_S * 4)
-
-    def processes(self) -> list[subprocess.Popen]:
-        return [c.proc for c in self.children]
+        if self._thread.is_alive():
+            self._thread.join(STOP_GRACE_S + POLL_S * 4)
+        else:  # never started, or already stopped
+            self._stop_children()
 
     def counters(self) -> dict[str, float]:
         return {"engine_restarts_total": float(self.num_restarts)}
@@ -70,6 +77,19 @@ class Supervisor:
                     self._schedule(child, now)
                 elif now >= child.due_at and not self.stopping.is_set():
                     self._restart(child, now)
+        self._stop_children()
+
+    def _stop_children(self) -> None:
+        for child in self.children:
+            if child.proc.poll() is None:
+                child.proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in self.children:
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
 
     def _schedule(self, child: Child, now: float) -> None:
         """It exited: restart it after its backoff, unless it used up its restarts."""

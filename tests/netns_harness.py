@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from server.procs import start_tied
+
 CLONE_NEWNET = 0x40000000
 CMD_TIMEOUT_S = 15
 
@@ -120,8 +122,8 @@ class Netns:
     def popen(self, node: str, argv: list[str], log: Path, env: dict[str, str], cwd: Path) -> subprocess.Popen:
         """Start `argv` inside `node` (its own process group, so that it is killed whole)."""
         with open(log, "ab") as out:
-            proc = subprocess.Popen(["ip", "netns", "exec", self._ns(node), *argv], cwd=cwd, env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = start_tied(["ip", "netns", "exec", self._ns(node), *argv], cwd=cwd, env=env, stdout=out,
+                              stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
         return proc
 

@@ -19,6 +19,7 @@ from engine.config import EngineConfig, KVTransferConfig, ModelConfig
 from engine.process import EngineProcess
 from engine.types import SamplingParams
 from server.pd_client import RemoteEngineClient
+from server.procs import start_tied
 from server.protocol import EngineUnavailableError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,6 +119,26 @@ async def wait_blocks_free(client: RemoteEngineClient, timeout: float = 5.0) -> 
         await asyncio.sleep(0.1)
 
 
+# Waits for its stdin (a pipe from the test) to close, which it does however the test ends, then
+# SIGKILLs the process group named on its command line.
+_GROUP_GUARD = """
+import os, signal, sys
+sys.stdin.read()
+try:
+    os.killpg(int(sys.argv[1]), signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+
+
+def guard_group(pgid: int) -> subprocess.Popen:
+    """A process outside this one that SIGKILLs process group `pgid` once this process is gone, for a
+    group whose leader does not tie its own children (server.procs.start_tied): `make serve` starts the
+    front end, and make's death passes nothing on to it. Kill the guard once the group is stopped."""
+    return subprocess.Popen([sys.executable, "-c", _GROUP_GUARD, str(pgid)], stdin=subprocess.PIPE,
+                            start_new_session=True)
+
+
 class ProcessGroup:
     """Engine processes started with `python -m server.cli ROLE ...`, killed by PID at the end."""
 
@@ -137,7 +158,7 @@ class ProcessGroup:
 
     def start(self, name: str, env: dict | None = None) -> None:
         full_env = dict(os.environ, PDSERVE_LOG_LEVEL="WARNING", **(env or {}))
-        self.procs[name] = subprocess.Popen(self.argv[name], cwd=REPO, env=full_env, start_new_session=True)
+        self.procs[name] = start_tied(self.argv[name], cwd=REPO, env=full_env, start_new_session=True)
 
     def kill(self, name: str) -> None:
         proc = self.procs[name]

@@ -15,6 +15,7 @@ from pd_harness import (
     client_for,
     free_port,
     generate_all,
+    guard_group,
     running_client,
     wait_blocks_free,
     wait_ready,
@@ -23,7 +24,7 @@ from safetensors import safe_open
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from server.procs import stop_process_group
+from server.procs import start_tied, stop_process_group
 
 PROMPTS = [
     "def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
@@ -121,8 +122,9 @@ def test_pd_with_mtp_carries_the_mtp_kv(bundled, tmp_path):
 def test_make_serve_answers_a_completion_within_90_seconds():
     port = free_port()
     env = dict(os.environ, PDSERVE_PORT=str(port), PDSERVE_LOG_LEVEL="WARNING")
-    proc = subprocess.Popen(["make", "serve"], cwd=REPO, env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = start_tied(["make", "serve"], cwd=REPO, env=env, start_new_session=True,
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    guard = guard_group(proc.pid)
     start = time.monotonic()
     try:
         body = {"prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}
@@ -140,5 +142,7 @@ def test_make_serve_answers_a_completion_within_90_seconds():
         assert "pdserve-tiny" in r.json()["model"]
     finally:
         stop_process_group(proc)
+        guard.kill()
+        guard.wait()
     banner = proc.stdout.read().decode()
     assert f"http://127.0.0.1:{port}" in banner and "curl" in banner

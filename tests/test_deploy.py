@@ -21,6 +21,8 @@ import yaml
 from conftest import REPO
 from pd_harness import free_port, wait_until
 
+from server.procs import start_tied
+
 COMPOSE = REPO / "deploy" / "docker-compose.yml"
 K8S = REPO / "deploy" / "k8s"
 ENGINE_ROLES = ("prefill", "decode", "colocated")
@@ -128,8 +130,8 @@ class LocalCompose:
 
     def start(self) -> None:
         for service in ("server", "prefill", "decode"):  # the depends_on order
-            self.procs[service] = subprocess.Popen(self.argv(service), env=self.env(service), cwd=REPO,
-                                                   start_new_session=True, stdout=subprocess.DEVNULL)
+            self.procs[service] = start_tied(self.argv(service), env=self.env(service), cwd=REPO,
+                                             start_new_session=True, stdout=subprocess.DEVNULL)
 
     def stop(self) -> None:
         for proc in self.procs.values():

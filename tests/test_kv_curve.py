@@ -3,9 +3,6 @@ so a process without the key can neither register as an engine nor pull KV, and 
 traffic shows neither prompts nor keys; without it nothing listens beyond loopback."""
 from __future__ import annotations
 
-import selectors
-import socket
-import threading
 import time
 
 import msgspec
@@ -14,6 +11,7 @@ import zmq
 from conftest import random_prompts
 from kv_harness import VOCAB, greedy
 from pd_harness import ThreadedEngines, client_for, free_port, generate_all, running_client, wait_ready, wait_until
+from tcp_relay import TcpRelay
 
 from engine import messages as em
 from engine.cluster_key import ClusterKey, check_bind
@@ -25,60 +23,11 @@ GREEDY = greedy(8)
 KV_KEY = "kv-port-shared-key-0123456789"
 
 
-class TcpTap:
-    """A loopback TCP relay that records every byte it forwards, both ways (a packet capture)."""
-
-    def __init__(self, target_port: int) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.target = target_port
-        self.captured = bytearray()
-        self.stopping = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        sel = selectors.DefaultSelector()
-        sel.register(self.listener, selectors.EVENT_READ)
-        peers: dict[socket.socket, socket.socket] = {}
-        while not self.stopping:
-            for key, _ in sel.select(0.05):
-                sock = key.fileobj
-                if sock is self.listener:
-                    a, _ = self.listener.accept()
-                    try:
-                        b = socket.create_connection(("127.0.0.1", self.target))
-                    except OSError:  # the target is not listening yet: the client will reconnect
-                        a.close()
-                        continue
-                    peers[a], peers[b] = b, a
-                    sel.register(a, selectors.EVENT_READ)
-                    sel.register(b, selectors.EVENT_READ)
-                    continue
-                data = sock.recv(1 << 16) if sock in peers else b""
-                if data:
-                    self.captured += data
-                    peers[sock].sendall(data)
-                elif sock in peers:
-                    other = peers.pop(sock)
-                    peers.pop(other, None)
-                    for s in (sock, other):
-                        sel.unregister(s)
-                        s.close()
-        for s in peers:
-            s.close()
-        self.listener.close()
-
-    def close(self) -> None:
-        self.stopping = True
-        self.thread.join(5)
-
-
 def run_pd_over_taps(model: str, tmp_path, key: ClusterKey | None, prompt: list[int], checks=None):
     """P and D (threads) reach the front end and each other over tapped loopback TCP. Returns the
     result and the captured bytes; `checks(client, prefill, fe_port)` runs while all is up."""
     fe_port, kv_port = free_port(), free_port()
-    fe_tap, kv_tap = TcpTap(fe_port), TcpTap(kv_port)
+    fe_tap, kv_tap = TcpRelay(fe_port), TcpRelay(kv_port)
     engines = ThreadedEngines(tmp_path)
     engines.server_addr = f"tcp://127.0.0.1:{fe_tap.port}"
     common = dict(model=model, max_model_len=256, num_threads=1)

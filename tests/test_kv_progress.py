@@ -3,16 +3,13 @@ already landed, and byte counters that agree (issue 44). Clocks are fake: the de
 test run on `clock=`, messages still travel over real ipc:// sockets, and every wait is bounded."""
 from __future__ import annotations
 
-import contextlib
-import selectors
-import socket
-import threading
 import time
 
 import pytest
 import torch
 import zmq
 from kv_harness import FakeClock, FakePrefill, kv_shape, layer_message, pump, settle
+from tcp_relay import TcpRelay
 
 from kv_transfer import messages as m
 from kv_transfer import sender as sender_module
@@ -264,71 +261,6 @@ def test_a_wildcard_bind_is_never_advertised_as_loopback(monkeypatch):
     assert ip is None or not ip.startswith("127.")
 
 
-class Relay:
-    """A loopback TCP relay between D and P that can hold back what P sends beyond a byte budget
-    and then sever every connection (a link that broke mid-transfer); new connections pass freely."""
-
-    def __init__(self, target_port: int, budget: int) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.target, self.budget = target_port, budget
-        self.lock = threading.Lock()
-        self.pairs: list[tuple[socket.socket, socket.socket]] = []  # (from D, to P)
-        self.stopping = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        sel = selectors.DefaultSelector()
-        sel.register(self.listener, selectors.EVENT_READ)
-        while not self.stopping:
-            for key, _ in sel.select(0.02):
-                if key.fileobj is self.listener:
-                    d_side, _ = self.listener.accept()
-                    p_side = socket.create_connection(("127.0.0.1", self.target))
-                    with self.lock:
-                        self.pairs.append((d_side, p_side))
-                    sel.register(d_side, selectors.EVENT_READ, p_side)
-                    sel.register(p_side, selectors.EVENT_READ, d_side)
-                    continue
-                self._forward(sel, key.fileobj, key.data)
-        self.listener.close()
-
-    def _forward(self, sel: selectors.BaseSelector, src: socket.socket, dst: socket.socket) -> None:
-        from_p = any(src is p for _, p in self.pairs)
-        if from_p and self.budget <= 0:  # over the budget: leave it in P's socket for now
-            sel.unregister(src)
-            return
-        try:
-            data = src.recv(min(4096, self.budget) if from_p else 65536)
-            if data:
-                dst.sendall(data)
-                if from_p:
-                    self.budget -= len(data)
-                return
-        except OSError:
-            pass
-        for s in (src, dst):
-            with contextlib.suppress(KeyError, ValueError):
-                sel.unregister(s)
-            s.close()
-
-    def sever(self) -> None:
-        """Close every connection so far (both ends see it break); later ones are not held back."""
-        with self.lock:
-            pairs, self.pairs = self.pairs, []
-        self.budget = 1 << 40
-        for pair in pairs:
-            for s in pair:
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self.stopping = True
-        self.thread.join(5)
-        self.sever()
-
-
 def test_a_transfer_broken_by_a_reconnect_resumes_from_what_landed(ctx, monkeypatch):
     """The connection breaks after part of the KV crossed (P's ROUTER drops the rest it had
     queued): D sees the reconnect, says Hello again and asks for the rest, which is all P sends."""
@@ -336,7 +268,7 @@ def test_a_transfer_broken_by_a_reconnect_resumes_from_what_landed(ctx, monkeypa
     src = torch.randn(SHAPE)
     dst = torch.zeros(SHAPE)
     sender = KVSender(ctx, "tcp://127.0.0.1:0", src, "h", "{}", "prefill-0", lambda *_: None)
-    relay = Relay(int(sender.address.rsplit(":", 1)[1]), budget=6000)
+    relay = TcpRelay(int(sender.address.rsplit(":", 1)[1]), budget=6000)
     receiver = KVReceiver(ctx, dst, "h", "{}", "decode-0")
     n, blocks = 32, list(range(8))
     whole = 3 * n * 2 * 2 * 8 * 4  # layers x positions x K/V x heads x dim x 4 bytes

@@ -21,6 +21,8 @@ import pytest
 from conftest import BUNDLED_MODEL, Reference
 from pd_harness import ProcessGroup, free_port, wait_until
 
+from server.procs import start_tied
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = str(BUNDLED_MODEL)
 NEW = 6
@@ -46,7 +48,7 @@ class FrontEnd:
         argv = [sys.executable, "-m", "server.cli", "server", "--bind-addr", bind_addr, "--port", str(self.port),
                 "--mode", "pd", "--model", MODEL, "--max-model-len", "256", *flags]
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = start_tied(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def metric(self, name: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=10).text
@@ -226,9 +228,9 @@ def _run_ignoring_disconnects(front: FrontEnd, during) -> None:
 def start_serve(port: int, env: dict, log: Path) -> subprocess.Popen:
     """`pdserve serve` of the bundled model (PD + MTP) in its own process group."""
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--model", MODEL,
-                                 "--max-model-len", "256"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        return start_tied([sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--model", MODEL,
+                           "--max-model-len", "256"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                           start_new_session=True)
 
 
 def stop_serve(serve: subprocess.Popen) -> None:

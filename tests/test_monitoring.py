@@ -26,7 +26,7 @@ from pd_harness import free_port, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.metrics import FRONT_END_COUNTERS
-from server.procs import stop_process_group
+from server.procs import start_tied, stop_process_group
 from server.timeline import Timeline
 
 DEPLOY = REPO / "deploy"
@@ -157,10 +157,10 @@ def stack():
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, PDSERVE_LOG_LEVEL="WARNING")
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--mode", "pd", "--port", str(port),
-                             "--api-key", KEY, "--max-model-len", "512", "--speculative-method", "mtp",
-                             "--num-speculative-tokens", "2", "--spec-policy", "fixed"],
-                            cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL)
+    proc = start_tied([sys.executable, "-m", "server.cli", "serve", "--mode", "pd", "--port", str(port),
+                       "--api-key", KEY, "--max-model-len", "512", "--speculative-method", "mtp",
+                       "--num-speculative-tokens", "2", "--spec-policy", "fixed"],
+                      cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL)
     load = None
     try:
         def healthy() -> bool:

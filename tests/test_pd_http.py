@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, random_prompts
 from pd_harness import free_port, wait_until
 
-from server.procs import stop_process_group
+from server.procs import start_tied, stop_process_group
 
 NEW = 20
 
@@ -23,9 +23,9 @@ class Served:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PDSERVE_LOG_LEVEL="WARNING")
-        self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", model,
-                                      "--port", str(self.port), *flags], cwd=REPO, env=env,
-                                     start_new_session=True, stdout=subprocess.DEVNULL)
+        self.proc = start_tied([sys.executable, "-m", "server.cli", "serve", "--model", model,
+                                "--port", str(self.port), *flags], cwd=REPO, env=env,
+                               start_new_session=True, stdout=subprocess.DEVNULL)
 
     def wait_healthy(self, timeout: float = 90) -> None:
         def healthy() -> bool:

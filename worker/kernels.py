@@ -339,13 +339,17 @@ def _require_triton() -> None:
         raise RuntimeError("Triton is not available; use the *_torch implementations")
 
 
-def _check_rows_contiguous(name: str, t: torch.Tensor) -> None:
-    """The kernels take one row stride per tensor and assume unit inner stride.
-
-    This is metadata only (no device access), so it is free on the hot path.
-    """
-    if t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name} needs unit stride in its last dimension, got {tuple(t.stride())}")
+def _has_work(empty: bool, **tensors: torch.Tensor) -> bool:
+    """Whether a kernel launch has rows to do (not `empty`). Raises where Triton is missing, and where
+    a tensor's rows are not contiguous: the kernels take one row stride per tensor and assume unit
+    inner stride. The check reads metadata only (no device access), so it is free on the hot path."""
+    _require_triton()
+    if empty:
+        return False
+    for name, t in tensors.items():
+        if t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} needs unit stride in its last dimension, got {tuple(t.stride())}")
+    return True
 
 
 if HAS_TRITON:
@@ -456,14 +460,11 @@ def gather_prefill_tokens_triton(
     is_prefilling: torch.Tensor,
 ) -> None:
     """Triton implementation of :func:`gather_prefill_tokens`."""
-    _require_triton()
     num_rows = idx_mapping.shape[0]
-    if num_rows == 0 or input_ids.shape[0] == 0:
+    if not _has_work(num_rows == 0 or input_ids.shape[0] == 0, input_ids=input_ids, all_token_ids=all_token_ids,
+                     idx_mapping=idx_mapping, query_start_loc=query_start_loc,
+                     num_computed_tokens=num_computed_tokens, is_prefilling=is_prefilling):
         return
-    for name, t in (("input_ids", input_ids), ("all_token_ids", all_token_ids),
-                    ("idx_mapping", idx_mapping), ("query_start_loc", query_start_loc),
-                    ("num_computed_tokens", num_computed_tokens), ("is_prefilling", is_prefilling)):
-        _check_rows_contiguous(name, t)
     _gather_prefill_tokens_kernel[(num_rows,)](
         input_ids,
         all_token_ids,
@@ -487,15 +488,12 @@ def combine_sampled_and_draft_tokens_triton(
     is_prefilling: torch.Tensor,
 ) -> None:
     """Triton implementation of :func:`combine_sampled_and_draft_tokens`."""
-    _require_triton()
     num_rows = idx_mapping.shape[0]
-    if num_rows == 0 or input_ids.shape[0] == 0:
+    if not _has_work(num_rows == 0 or input_ids.shape[0] == 0, input_ids=input_ids,
+                     last_sampled_tokens=last_sampled_tokens, draft_tokens=draft_tokens,
+                     num_draft_tokens=num_draft_tokens, idx_mapping=idx_mapping, query_start_loc=query_start_loc,
+                     is_prefilling=is_prefilling):
         return
-    for name, t in (("input_ids", input_ids), ("last_sampled_tokens", last_sampled_tokens),
-                    ("draft_tokens", draft_tokens), ("num_draft_tokens", num_draft_tokens),
-                    ("idx_mapping", idx_mapping), ("query_start_loc", query_start_loc),
-                    ("is_prefilling", is_prefilling)):
-        _check_rows_contiguous(name, t)
     max_drafts = draft_tokens.shape[1]
     _combine_sampled_and_draft_tokens_kernel[(num_rows,)](
         input_ids,
@@ -521,15 +519,11 @@ def post_step_update_triton(
     idx_mapping: torch.Tensor,
 ) -> None:
     """Triton implementation of :func:`post_step_update`."""
-    _require_triton()
     num_rows, max_sampled = sampled_token_ids.shape
-    if num_rows == 0 or max_sampled == 0:
+    if not _has_work(num_rows == 0 or max_sampled == 0, all_token_ids=all_token_ids, total_len=total_len,
+                     last_sampled_tokens=last_sampled_tokens, sampled_token_ids=sampled_token_ids,
+                     num_sampled=num_sampled, idx_mapping=idx_mapping):
         return
-    for name, t in (("all_token_ids", all_token_ids), ("total_len", total_len),
-                    ("last_sampled_tokens", last_sampled_tokens),
-                    ("sampled_token_ids", sampled_token_ids), ("num_sampled", num_sampled),
-                    ("idx_mapping", idx_mapping)):
-        _check_rows_contiguous(name, t)
     _post_step_update_kernel[(num_rows,)](
         all_token_ids,
         all_token_ids.stride(0),
