@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from engine import settings
+from engine.types import EngineRole, KVTransferMode
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "pdserve-tiny"
 
@@ -101,82 +101,127 @@ def default_max_model_len(model_cfg: ModelConfig) -> int:
     return min(model_cfg.max_position_embeddings, 4096)
 
 
+def flag(help_: str, **extra: Any) -> dict[str, Any]:
+    """Field metadata that makes a field a command-line flag (server/flags.py builds the flags).
+    `extra`: `default=` where the command line's default differs from the field's, `flag=` where
+    the flag is not named after the field, `role=` the engine role it applies to (said in its help)."""
+    return {"help": help_, **extra}
+
+
 @dataclass
 class KVTransferConfig:
     """KV-port settings of a prefill or decode engine (the `--kv-*` flags)."""
 
-    addr: str = ""          # prefill: bind address of the KV port (default tcp://127.0.0.1:random)
-    advertise: str = ""     # prefill: the address decode instances dial (default: derived from addr)
-    key: str = ""           # shared key required on the KV port
-    lease_s: float = 30.0   # prefill: free held blocks after this long without the decode side
-    # decode: give up a KV transfer after this long without progress (no KV arriving from its prefill
-    # and no word from it that the KV is still being computed; kv_transfer/receiver.py). Progress comes
-    # at least every few seconds on a working link whatever the model and the link speed: frames are
-    # small (sender.MAX_FRAME_BYTES) and P answers every KeepAlive. So this bound is about outages:
-    # it rides out a partition shorter than it (the pulls resume where they were) and gives a
-    # transfer whose prefill went silent to a retry elsewhere after it.
-    deadline_s: float = 30.0
-    reserve_deadline_s: float = 20.0  # decode: fail a request that got no KV blocks within this long (retryable)
-    # prefill: send an xxh3 checksum of each payload (decode verifies any it gets). Off by default:
-    # benchmarks/results/bench_pd.txt measures what it costs against raw ZMQ.
-    checksum: bool = False
-    # prefill: when the KV goes out (engine.types.KVTransferMode); benchmarks/results/bench_pd.txt
-    # measures the hand-off latency of both: layer-wise cuts it on long prompts.
-    mode: str = "layerwise"
-    # prefill, layer-wise: prompts shorter than this go in one message after the prefill all the same.
+    addr: str = field(default="", metadata=flag("bind address of the KV port (default tcp://127.0.0.1:random)",
+                                                role="prefill"))
+    advertise: str = field(default="", metadata=flag(
+        "KV address decode instances dial, e.g. tcp://{ip}:5700 ({ip}: this host's routable address; default: "
+        "derived from --kv-addr, never loopback for a 0.0.0.0 bind)", role="prefill"))
+    key: str = field(default="", metadata=flag("shared key required on the KV port"))
+    lease_s: float = field(default=30.0, metadata=flag(
+        "free held KV blocks after this long without the decode side", role="prefill"))
+    # Progress comes at least every few seconds on a working link whatever the model and the link
+    # speed: frames are small (sender.MAX_FRAME_BYTES) and P answers every KeepAlive
+    # (kv_transfer/receiver.py). So this bound is about outages: it rides out a partition shorter than
+    # it (the pulls resume where they were) and gives a transfer whose prefill went silent to a retry elsewhere.
+    deadline_s: float = field(default=30.0, metadata=flag(
+        "give up a KV transfer that made no progress for this long (one still receiving never)", role="decode"))
+    reserve_deadline_s: float = field(default=20.0, metadata=flag(
+        "fail a request (retryable) that got no KV blocks within this long", role="decode"))
+    # Off by default: benchmarks/results/bench_pd.txt measures what it costs against raw ZMQ.
+    checksum: bool = field(default=False, metadata=flag(
+        "checksum every KV payload (xxh3); decode verifies any it gets", role="prefill"))
+    # benchmarks/results/bench_pd.txt measures the hand-off latency of both: layer-wise cuts it on long prompts.
+    mode: KVTransferMode = field(default=KVTransferMode.LAYERWISE, metadata=flag(
+        "layerwise | after-prefill: push each layer's KV as the prefill writes it, or all of it after "
+        "(benchmarks/results/bench_pd.txt)", flag="--kv-transfer-mode", role="prefill"))
     # Each layer snapshot costs P's step a fixed amount, more than a short prompt's whole-transfer
-    # hand-off saves (benchmarks/results/bench_pd.txt, section (c) and the short-prompt A/B). 0: every prompt.
-    layerwise_min_tokens: int = 512
+    # hand-off saves (benchmarks/results/bench_pd.txt, section (c) and the short-prompt A/B).
+    layerwise_min_tokens: int = field(default=512, metadata=flag(
+        "layer-wise mode: prompts shorter than this go in one message after their prefill (0: none)",
+        role="prefill"))
 
 
 @dataclass
 class EngineConfig:
-    """Engine arguments; names follow vLLM's where they exist."""
+    """Engine arguments; names follow vLLM's where they exist. A field with `flag` metadata is a
+    command-line flag of every engine command (server/flags.py)."""
 
-    model: str = field(default_factory=default_model)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_memory_fraction: float = 0.05  # of host RAM (CPU) or free device memory (CUDA), when num_kv_blocks is unset
-    enable_prefix_caching: bool = True
+    model: str = field(default_factory=default_model, metadata=flag(
+        "local Hugging Face checkpoint directory (default: the bundled pdserve-tiny)", default=None))
+    max_num_seqs: int = field(default=64, metadata=flag("request slots per engine"))
+    max_num_batched_tokens: int = field(default=2048, metadata=flag("token budget per step"))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "context length (default: the model's, at most 4096)"))
+    block_size: int = field(default=16, metadata=flag("tokens per KV block"))
+    num_kv_blocks: int | None = field(default=None, metadata=flag(
+        "KV blocks (default: derived from --kv-memory-fraction)"))
+    kv_memory_fraction: float = field(default=0.05, metadata=flag(
+        "fraction of RAM (CPU) or free GPU memory for the KV cache (when --num-kv-blocks is unset)"))
+    enable_prefix_caching: bool = field(default=True, metadata=flag("reuse the KV blocks of shared prompt prefixes"))
     # Weight storage. bfloat16 on a CPU: bf16 weights, fp32 arithmetic and KV cache (worker/model_loader.py).
-    dtype: str = "float32"
+    dtype: str = field(default="float32", metadata=flag(
+        "float32 | bfloat16 | float16 (bfloat16 on a CPU: bf16 weights, fp32 arithmetic)"))
     # "int8": the decoder layers' linears as weight-only int8, one scale per output feature, made at
     # load time from the checkpoint; activations stay in the activation dtype (worker/models/linear.py).
-    quantization: str | None = None
-    device: str = "cpu"
-    seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads for this process
-    speculative_method: str | None = None  # "mtp", "ngram" or None
-    num_speculative_tokens: int = 2
+    quantization: str | None = field(default=None, metadata=flag(
+        "int8 (the decoder layers' linears as weight-only int8, per output channel, made at load time) | none",
+        default="none"))
+    device: str = field(default="cpu", metadata=flag("cpu | cuda"))
+    seed: int = field(default=0, metadata=flag("default sampling seed"))
+    num_threads: int | None = field(default=None, metadata=flag("torch threads per engine process"))
+    # "auto" (the command line's default) becomes "mtp" where the model has MTP layers, else None (validate).
+    speculative_method: str | None = field(default=None, metadata=flag(
+        "mtp | ngram | none | auto (mtp when the model has MTP layers)", default="auto"))
+    # With the bundled model's distilled MTP layer a third draft does not pay at batch 1
+    # (benchmarks/results/bench_spec.txt), and allowing it lets the server's noisy step timings lead
+    # the adaptive policy to pick it where two drafts are faster.
+    num_speculative_tokens: int = field(default=2, metadata=flag(
+        "draft tokens per step (the most, under --spec-policy adaptive)"))
     # Precision of the MTP drafter (its layer and the draft lm_head). Drafts are only proposals that
     # the target verifies, so this trades nothing but draft quality for speed. "auto": bfloat16
     # weights with fp32 arithmetic for a float32 target on a CPU (worker/model_loader.py), else the target's dtype.
-    draft_dtype: str = "auto"
+    draft_dtype: str = field(default="auto", metadata=flag(
+        "MTP drafter precision: auto | float32 | bfloat16 | float16"))
     # The MTP layer attends only the last this many positions (0: all of them). Positions older than
     # that need no MTP pass at all (worker/spec_decode/mtp.py): on a prefill engine the pass over a prompt
     # covered every position, a sizeable share of the prefill work on the bundled model, whose
     # acceptance is the same with 32 positions as with all, and lower with 16
     # (benchmarks/results/bench_spec.txt). 32 rather than 64 halves what MTP adds to a prefill
     # engine's work, which under load competes with decode for the same cores. Output is exact either way.
-    mtp_window: int = 32
+    mtp_window: int = field(default=32, metadata=flag(
+        "positions the MTP layer attends (0: all); older ones need no MTP pass"))
     # The tokens MTP drafts over (FR-Spec): "auto" the checkpoint's draft_vocab.json where it has one
     # (the bundled model's is the training corpus' most frequent tokens, scripts/make_draft_vocab.py),
     # "full" the whole vocabulary, or a path to such a file. Output is exact either way.
-    draft_vocab: str = "auto"
+    draft_vocab: str = field(default="auto", metadata=flag(
+        "tokens MTP drafts over: auto (the checkpoint's draft_vocab.json if any) | full | a path to such a file"))
     # Run the model eagerly instead of compiling its forward with torch.compile (worker/compilation.py).
     # None: PDSERVE_ENFORCE_EAGER if set, else eager on CPU, where compiling won or lost by batch size
     # and gained little on long prefills, nothing through the server, for a much longer start-up per
     # engine (benchmarks/results/compile.txt); compiled on CUDA.
-    enforce_eager: bool | None = None
+    enforce_eager: bool | None = field(default=None, metadata=flag(
+        "run the model eagerly instead of compiling it with torch.compile (default: eager on CPU, compiled on CUDA)"))
     # How many drafts per step: "adaptive" (0..K from measured acceptance and step cost,
     # worker/spec_decode/policy.py) or "fixed" (always K). Applies to MTP; n-gram is always fixed.
-    spec_policy: str = "adaptive"
+    spec_policy: str = field(default="adaptive", metadata=flag(
+        "adaptive (0..K drafts per step from measured acceptance and cost) | fixed"))
     # Mixed into the default sampling seed so that engines sharing --seed do not share noise
     # (set by the engine process from its name, which is unique within a deployment).
     instance_name: str = ""
+    # Whether the runner drafts at all; decided by `for_role` (False on a prefill engine).
+    proposes_drafts: bool = True
+
+    def for_role(self, role: EngineRole | str) -> EngineConfig:
+        """This configuration as an engine of `role` runs it: the one place where the role changes
+        engine settings. A prefill engine's requests leave after their first token, so it never
+        drafts; with MTP it still runs one MTP layer, whose KV of the prompt the hand-off carries
+        (same KV layout as the decode side), and n-gram drafting, which has no KV, is dropped."""
+        if role != EngineRole.PREFILL:
+            return replace(self, proposes_drafts=True)
+        keeps_mtp = self.speculative_method in ("mtp", "auto")
+        return replace(self, proposes_drafts=False, speculative_method=self.speculative_method if keeps_mtp else None,
+                       num_speculative_tokens=1 if keeps_mtp else self.num_speculative_tokens)
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -204,10 +249,13 @@ class EngineConfig:
                 (self.quantization or self.dtype == "bfloat16"):
             raise ValueError("--quantization int8 and --dtype bfloat16 run eagerly on a CPU (their weight kernels "
                              "are not traced by torch.compile): drop --no-enforce-eager")
+        if self.speculative_method == "auto":
+            self.speculative_method = "mtp" if model_cfg.num_mtp_layers > 0 else None
         if self.speculative_method in ("none", ""):
             self.speculative_method = None
         if self.speculative_method not in (None, "mtp", "ngram"):
-            raise ValueError(f"speculative_method must be 'mtp', 'ngram' or 'none', got {self.speculative_method!r}")
+            raise ValueError(f"speculative_method must be 'mtp', 'ngram', 'auto' or 'none', "
+                             f"got {self.speculative_method!r}")
         if self.draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
         if self.speculative_method and not 1 <= self.num_speculative_tokens <= 8:
@@ -218,100 +266,3 @@ class EngineConfig:
             raise ValueError(f"spec_policy must be adaptive or fixed, got {self.spec_policy!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-
-
-# -- cluster key: CURVE authentication and encryption of every engine and KV socket ----------------
-
-CLUSTER_KEY_ENV = settings.CLUSTER_KEY.name
-CLUSTER_KEY_FILE_ENV = settings.CLUSTER_KEY_FILE.name
-ALLOW_INSECURE_ENV = settings.ALLOW_INSECURE.name
-
-
-@dataclass(frozen=True)
-class ClusterKey:
-    """One CURVE key pair for the whole cluster. Every socket that binds (the front end's engine
-    socket, a prefill's KV port) is a CURVE server with it, and accepts only clients that prove
-    they hold the same secret (its ZAP handler admits the cluster's public key alone); every socket
-    that connects is a CURVE client with it. A process without the secret cannot complete a
-    handshake, so it can neither register as an engine nor pull KV, and all traffic is encrypted."""
-
-    public: bytes
-    secret: bytes
-
-    @classmethod
-    def generate(cls) -> ClusterKey:
-        import zmq
-
-        public, secret = zmq.curve_keypair()
-        return cls(public, secret)
-
-    @classmethod
-    def from_secret(cls, secret: str | bytes) -> ClusterKey:
-        import zmq
-
-        raw = secret.strip().encode() if isinstance(secret, str) else secret.strip()
-        if len(raw) != 40:
-            raise ValueError(f"{CLUSTER_KEY_ENV}: a CURVE secret key is 40 z85 characters, got {len(raw)} "
-                             "(make one with `pdserve keygen FILE`)")
-        return cls(zmq.curve_public(raw), raw)
-
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> ClusterKey | None:
-        key_file = settings.CLUSTER_KEY_FILE.get(environ)
-        if key_file:
-            return cls.from_secret(Path(key_file).read_text())
-        secret = settings.CLUSTER_KEY.get(environ)
-        return cls.from_secret(secret) if secret else None
-
-    def secure_server(self, sock: Any) -> None:
-        """Before bind: a CURVE server holding the cluster key."""
-        sock.curve_secretkey, sock.curve_publickey, sock.curve_server = self.secret, self.public, True
-
-    def secure_client(self, sock: Any) -> None:
-        """Before connect: a CURVE client that proves it holds the cluster key and checks the server does."""
-        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = self.public, self.public, self.secret
-
-    def authenticator(self, ctx: Any, on_refused: Callable[[str, str], None] | None = None) -> Any:
-        """Start the ZAP handler of `ctx` (threaded, or asyncio for a zmq.asyncio context): CURVE
-        clients with any key but the cluster's are refused, and `on_refused(peer address, why)` is
-        told of each. Call its stop() before closing `ctx`."""
-        import zmq.asyncio
-        from zmq.auth.asyncio import AsyncioAuthenticator
-        from zmq.auth.thread import ThreadAuthenticator
-
-        public = self.public
-
-        class _OnlyTheClusterKey:
-            peer = ""  # the address of the request being decided (ZAP requests are handled one at a time)
-
-            def callback(self, domain: str, key: bytes) -> bool:
-                if key != public and on_refused is not None:
-                    on_refused(self.peer, "its cluster key is not this cluster's")
-                return key == public
-
-        provider = _OnlyTheClusterKey()
-        auth = (AsyncioAuthenticator if isinstance(ctx, zmq.asyncio.Context) else ThreadAuthenticator)(ctx)
-        auth.start()
-        auth.configure_curve_callback("*", credentials_provider=provider)
-        handler = auth.thread.authenticator if isinstance(auth, ThreadAuthenticator) else auth
-        decide = handler.handle_zap_message
-
-        async def note_peer(message: list[bytes]) -> None:  # a ZAP request: [version, id, domain, address, ...]
-            provider.peer = message[3].decode(errors="replace") if len(message) > 3 else ""
-            await decide(message)
-
-        handler.handle_zap_message = note_peer
-        return auth
-
-
-def check_bind(addr: str, key: ClusterKey | None, what: str) -> None:
-    """Without a cluster key a socket may listen only on loopback or ipc: anyone who reaches it could
-    act as an engine (or a decode instance). Raises ValueError saying so, unless explicitly allowed."""
-    if key is not None or not addr.startswith("tcp://"):
-        return
-    host = addr[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-    if host in ("127.0.0.1", "localhost", "::1") or settings.ALLOW_INSECURE.get():
-        return
-    raise ValueError(f"{what}: refusing to bind {addr} without a cluster key: anyone who reaches it could pose as "
-                     f"an engine. Set {CLUSTER_KEY_FILE_ENV} (or {CLUSTER_KEY_ENV}; make one with `pdserve keygen "
-                     f"FILE`), bind 127.0.0.1 or ipc://, or set {ALLOW_INSECURE_ENV}=1 on a trusted network")

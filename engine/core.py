@@ -19,7 +19,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.grammar import check_refs
 from engine.request import Request
-from engine.types import GrammarSpec, SamplingParams
+from engine.types import EngineRole, GrammarSpec, SamplingParams
 from engine.validation import check_prompt, check_resumed_outputs, check_token_ids
 from kv_transfer.connector import KVConnector
 from scheduler.block_manager import BlockManager
@@ -84,7 +84,6 @@ class EngineCore:
         """Before the first request: the connector of this engine's role."""
         self.connector = self.scheduler.connector = connector
         connector.step_seconds = self.scheduler.step_cost.predict
-        self.runner.proposes_drafts = not connector.hands_off
         if connector.taps_layers:  # prefill: attention reports each layer's KV writes to the connector
             self.runner.kv_tap = KVTap(self.runner.kv_cache, self.config.block_size, connector.tap_target,
                                        connector.on_layer, connector.snapshots, connector.on_layers_done,
@@ -98,7 +97,7 @@ class EngineCore:
         points, so the first burst of prompts is batched as this model's steps warrant. It leaves
         nothing behind: its blocks are freed and forgotten by the prefix cache, and the counters
         start from zero. Only a colocated connector is set at this point."""
-        assert not self.connector.hands_off, "warm up before setting a PD connector"
+        assert self.connector.role == EngineRole.COLOCATED, "warm up before setting a PD connector"
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         fit_len = min(WARM_UP_FIT_TOKENS, self.config.max_model_len - 1)
         for i, length in enumerate((2, 2, fit_len)):

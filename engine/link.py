@@ -26,7 +26,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from engine import messages as msg
-from engine.config import ClusterKey
+from engine.cluster_key import ClusterKey
 from engine.sockets import harden
 
 logger = logging.getLogger(__name__)

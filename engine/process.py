@@ -23,7 +23,8 @@ import zmq
 
 from engine import messages as msg
 from engine import settings
-from engine.config import ClusterKey, EngineConfig, KVTransferConfig
+from engine.cluster_key import ClusterKey
+from engine.config import EngineConfig, KVTransferConfig
 from engine.core import EngineCore
 from engine.grammar_prep import GrammarPrep
 from engine.link import HEARTBEAT_S, FrontEndLink
@@ -41,24 +42,25 @@ EXIT_NOT_REGISTERED = 3  # the front end never accepted this engine (see engine/
 
 class EngineProcess:
     def __init__(self, role: EngineRole | str, config: EngineConfig, name: str, server_addr: str,
-                 cluster_key: ClusterKey | None = None, register_timeout_s: float = 60.0, **kv) -> None:
-        """`kv`: the KVTransferConfig fields with a `kv_` prefix (kv_addr, kv_lease_s, ...).
-        `cluster_key` (default: from PDSERVE_CLUSTER_KEY[_FILE]) secures the link and the KV sockets.
+                 kv: KVTransferConfig | None = None, cluster_key: ClusterKey | None = None,
+                 register_timeout_s: float = 60.0) -> None:
+        """`config` as given; what the role changes in it is `EngineConfig.for_role`'s. `kv`: the KV
+        port's settings (default: KVTransferConfig()). `cluster_key` (default: from
+        PDSERVE_CLUSTER_KEY[_FILE]) secures the link and the KV sockets.
         `register_timeout_s`: exit (non-zero) when the front end never accepts our handshake by then."""
         try:
             self.role = EngineRole(role)
         except ValueError:
             raise ValueError(f"role must be colocated, prefill or decode, got {role!r}") from None
         self.name = name
-        self.core = EngineCore(dataclasses.replace(config, instance_name=name))
+        self.core = EngineCore(dataclasses.replace(config.for_role(self.role), instance_name=name))
         self.core.warm_up()  # before the front end hears of us: a new engine gets work once it has stepped
         self.zmq = zmq.Context()
         cluster_key = cluster_key or ClusterKey.from_env()
         runner = self.core.runner
         compat = compat_description(config, self.core.model_config, runner.num_kv_layers)
-        kv_config = KVTransferConfig(**{k.removeprefix("kv_"): v for k, v in kv.items()})
         self.connector = get_kv_connector(self.role, self.zmq, runner.kv_cache, compat, name,
-                                          self.core.block_manager.free_blocks, kv_config, cluster_key)
+                                          self.core.block_manager.free_blocks, kv or KVTransferConfig(), cluster_key)
         self.core.set_kv_connector(self.connector)
         self.grammar_prep = GrammarPrep(self.core.compile_grammar)  # grammars compile off the loop
         self.stopping = False
@@ -273,15 +275,16 @@ class FaultExitOnPrompt:
             os._exit(self.EXIT_CODE)
 
 
-def run_engine_process(role: str, config: EngineConfig, name: str, server_addr: str,
-                       on_engine: Callable[[EngineProcess], None] | None = None, **kv) -> None:
+def run_engine_process(role: str, config: EngineConfig, name: str, server_addr: str, kv: KVTransferConfig,
+                       on_engine: Callable[[EngineProcess], None] | None = None,
+                       register_timeout_s: float = 60.0) -> None:
     """Entry point of a child process (or the `pdserve prefill|decode|colocated` commands).
 
     `on_engine` sees the engine once its model is loaded, before the loop starts (the
     `--health-port` endpoint attaches itself there)."""
     logging.basicConfig(level=settings.LOG_LEVEL.get(),
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
-    engine = EngineProcess(role, config, name, server_addr, **kv)
+    engine = EngineProcess(role, config, name, server_addr, kv, register_timeout_s=register_timeout_s)
     if on_engine is not None:
         on_engine(engine)
     engine.run()

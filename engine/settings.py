@@ -4,7 +4,7 @@ purpose. No other product module reads a PDSERVE_* variable (tests/test_layout.p
 Two kinds:
 - `FLAG_ENV_PREFIX` + a command-line flag (`--max-num-seqs` -> PDSERVE_MAX_NUM_SEQS): every flag of
   `pdserve serve`, `prefill`, `decode`, `colocated` may come from the environment, as a container
-  sets it; the flag wins. server/cli.py reads them through `flag_env`.
+  sets it; the flag wins. server/flags.py reads them through `flag_env`.
 - The switches below, which have no flag: where the bundled model is, deployment secrets, the
   kernels a process uses, and debug and fault-injection knobs for tests and drills.
 """

@@ -44,7 +44,8 @@ from collections.abc import Callable
 import torch
 import zmq
 
-from engine.config import ClusterKey, KVTransferConfig
+from engine.cluster_key import ClusterKey
+from engine.config import KVTransferConfig
 from engine.request import DecodeHandoff, PrefillHandoff, Request
 from engine.types import EngineRole, FinishReason, KVTransferMode
 from kv_transfer.handshake import compat_hash, describe_difference
@@ -62,7 +63,6 @@ class KVConnector:
     role: EngineRole = EngineRole.COLOCATED
     kv_endpoint: str = ""  # P's KV address: where decode instances dial this engine's KV port (prefill only)
     taps_layers = False    # the runner reports each layer's KV writes (tap_target, on_layer)
-    hands_off = False      # every request leaves after its first token (t0): this engine never verifies drafts
 
     def step_seconds(self, tokens: int) -> float | None:
         """What the engine predicts a step of `tokens` tokens costs (EngineCore points this at its
@@ -132,7 +132,6 @@ class PrefillConnector(KVConnector):
 
     role = EngineRole.PREFILL
     taps_layers = True
-    hands_off = True
 
     def __init__(self, sender: KVSender, kv_endpoint: str, layerwise_min_tokens: int | None = None) -> None:
         """`layerwise_min_tokens`: stream the layers of prompts at least this long (None: never)."""

@@ -42,7 +42,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from engine.config import ClusterKey
+from engine.cluster_key import ClusterKey
 from engine.sockets import HEARTBEAT_TIMEOUT_MS, harden
 from kv_transfer import messages as m
 from kv_transfer.sender import frames_checksum

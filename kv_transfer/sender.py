@@ -44,7 +44,7 @@ import torch
 import xxhash
 import zmq
 
-from engine.config import ClusterKey, check_bind
+from engine.cluster_key import ClusterKey, check_bind
 from engine.sockets import harden
 from kv_transfer import messages as m
 from kv_transfer.layer_stream import DoneJob, LayerJob, LayerStreamer

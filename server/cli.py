@@ -24,9 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engine import settings
+from engine.cluster_key import CLUSTER_KEY_FILE_ENV, ClusterKey
 from engine.config import (
-    CLUSTER_KEY_FILE_ENV,
-    ClusterKey,
     EngineConfig,
     KVTransferConfig,
     ModelConfig,
@@ -34,111 +33,36 @@ from engine.config import (
     default_model,
 )
 from engine.grammar import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
-from engine.types import EngineRole, KVTransferMode, ServeMode
+from engine.types import EngineRole, ServeMode
 from server.allocator import engine_env, reexec_with_tcmalloc
+from server.flags import add_flag, add_flags, from_args, to_argv
 from server.procs import start_tied
 from server.supervisor import Supervisor
 
 logger = logging.getLogger("pdserve")
 
-ENGINE_FLAGS = [
-    # flag, type, default, help
-    ("--model", str, None, "local Hugging Face checkpoint directory (default: the bundled pdserve-tiny)"),
-    ("--max-num-seqs", int, 64, "request slots per engine"),
-    ("--max-num-batched-tokens", int, 2048, "token budget per step"),
-    ("--max-model-len", int, None, "context length (default: the model's, at most 4096)"),
-    ("--block-size", int, 16, "tokens per KV block"),
-    ("--num-kv-blocks", int, None, "KV blocks (default: derived from --kv-memory-fraction)"),
-    ("--kv-memory-fraction", float, 0.05, "fraction of RAM (CPU) or free GPU memory for the KV cache"),
-    ("--dtype", str, "float32", "float32 | bfloat16 | float16 (bfloat16 on a CPU: bf16 weights, fp32 arithmetic)"),
-    ("--quantization", str, "none", "int8 (the decoder layers' linears as weight-only int8, per output channel, "
-     "made at load time) | none"),
-    ("--device", str, "cpu", "cpu | cuda"),
-    ("--seed", int, 0, "default sampling seed"),
-    ("--speculative-method", str, "auto", "mtp | ngram | none | auto (mtp when the model has MTP layers)"),
-    # 2, as the engine's default: with the bundled model's distilled MTP layer a third draft does not pay
-    # at batch 1 (fixed K=3 is slower than K=2, benchmarks/results/bench_spec.txt), and allowing it lets
-    # the server's noisy step timings lead the adaptive policy to pick it where K=2 is faster.
-    ("--num-speculative-tokens", int, EngineConfig.num_speculative_tokens,
-     "draft tokens per step (the most, under --spec-policy adaptive)"),
-    ("--spec-policy", str, "adaptive", "adaptive (0..K drafts per step from measured acceptance and cost) | fixed"),
-    ("--draft-dtype", str, "auto", "MTP drafter precision: auto | float32 | bfloat16 | float16"),
-    ("--mtp-window", int, EngineConfig.mtp_window,
-     "positions the MTP layer attends (0: all); older ones need no MTP pass"),
-    ("--draft-vocab", str, "auto", "tokens MTP drafts over: auto (the checkpoint's draft_vocab.json if any) | "
-     "full | a path to such a file"),
-    ("--num-threads", int, None, "torch threads per engine process"),
-]
-
-
-def _env(flag: str) -> str:
-    return settings.flag_env_name(flag)
-
-
-KV_MODE_HELP = ("layerwise | after-prefill: push each layer's KV as the prefill writes it, or all of it after "
-                "(benchmarks/results/bench_pd.txt)")
-KV_MIN_HELP = "layer-wise mode: prompts shorter than this go in one message after their prefill (0: none)"
-
-
-def add_flag(p: argparse.ArgumentParser, flag: str, typ, default, help_: str) -> None:
-    env = settings.flag_env(flag)
-    p.add_argument(flag, type=typ, default=typ(env) if env is not None else default, help=f"{help_} [{_env(flag)}]")
-
-
-def add_switch(p: argparse.ArgumentParser, flag: str, help_: str) -> None:
-    """An on/off flag, also on when its environment variable is 1/true/yes."""
-    env = (settings.flag_env(flag) or "").lower() in ("1", "true", "yes")
-    p.add_argument(flag, action="store_true", default=env, help=f"{help_} [{_env(flag)}=1]")
-
-
-def add_kv_payload_flags(p: argparse.ArgumentParser, who: str, checksum_help: str) -> None:
-    add_switch(p, "--kv-checksum", checksum_help)
-    add_flag(p, "--kv-transfer-mode", KVTransferMode, KVTransferMode.LAYERWISE, who + KV_MODE_HELP)
-    add_flag(p, "--kv-layerwise-min-tokens", int, KVTransferConfig.layerwise_min_tokens, who + KV_MIN_HELP)
+KV_PREFIX = "kv-"  # KVTransferConfig.lease_s is --kv-lease-s
+# `pdserve serve` places its engines' KV ports itself (ipc:// in its private folder) and keeps the
+# deadlines' defaults: of the KV settings it takes only how the KV travels.
+SERVE_KV_FIELDS = ("key", "checksum", "mode", "layerwise_min_tokens")
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    for flag, typ, default, help_ in ENGINE_FLAGS:
-        add_flag(p, flag, typ, default, help_)
-    env = settings.flag_env("--enable-prefix-caching")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=settings.truthy(env) if env is not None else True,
-                   help=f"[{_env('--enable-prefix-caching')}]")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the model eagerly instead of compiling it with torch.compile (default: eager on CPU, "
-                        "compiled on CUDA) [PDSERVE_ENFORCE_EAGER]")
+    add_flags(p, EngineConfig)
 
 
-def engine_config(args: argparse.Namespace, role: str = EngineRole.COLOCATED) -> EngineConfig:
-    model = args.model or default_model()
-    method = args.speculative_method
-    if method == "auto":
-        method = "mtp" if ModelConfig.from_dir(model).num_mtp_layers > 0 else None
-    num_spec = args.num_speculative_tokens
-    if role == EngineRole.PREFILL and method:
-        # P only needs the MTP layer's KV for the hand-off, not drafts; keep the same KV layout.
-        method, num_spec = ("mtp", 1) if method == "mtp" else (None, num_spec)
-    return EngineConfig(model=model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                        kv_memory_fraction=args.kv_memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
-                        dtype=args.dtype, device=args.device, seed=args.seed, num_threads=args.num_threads,
-                        speculative_method=method if method != "none" else None, num_speculative_tokens=num_spec,
-                        draft_dtype=args.draft_dtype, mtp_window=args.mtp_window, draft_vocab=args.draft_vocab,
-                        enforce_eager=args.enforce_eager, spec_policy=args.spec_policy,
-                        quantization=args.quantization)
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings the flags give; what an engine's role changes is EngineConfig.for_role's."""
+    return from_args(EngineConfig, args)
+
+
+def kv_config(args: argparse.Namespace) -> KVTransferConfig:
+    return from_args(KVTransferConfig, args, KV_PREFIX)
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
     """Re-emit the engine flags for a child process."""
-    argv: list[str] = []
-    for flag, _, _, _ in ENGINE_FLAGS:
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if value is not None:
-            argv += [flag, str(value)]
-    argv.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
-    if args.enforce_eager is not None:
-        argv.append("--enforce-eager" if args.enforce_eager else "--no-enforce-eager")
-    return argv
+    return to_argv(args, EngineConfig)
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -153,12 +77,8 @@ def cmd_engine(args: argparse.Namespace) -> None:
 
         # Started before the model loads so probes get a clear 503 "starting" rather than a refused connection.
         health = HealthServer(args.health_port, role=args.command, name=name).start()
-    run_engine_process(args.command, engine_config(args, args.command), name, args.server_addr,
-                       on_engine=health.attach if health else None, register_timeout_s=args.register_timeout_s,
-                       kv_addr=args.kv_addr, kv_advertise=args.kv_advertise, kv_key=args.kv_key,
-                       kv_lease_s=args.kv_lease_s, kv_deadline_s=args.kv_deadline_s,
-                       kv_reserve_deadline_s=args.kv_reserve_deadline_s, kv_checksum=args.kv_checksum,
-                       kv_mode=args.kv_transfer_mode, kv_layerwise_min_tokens=args.kv_layerwise_min_tokens)
+    run_engine_process(args.command, engine_config(args), name, args.server_addr, kv_config(args),
+                       on_engine=health.attach if health else None, register_timeout_s=args.register_timeout_s)
 
 
 def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str, cluster_key: ClusterKey | None = None,
@@ -181,10 +101,7 @@ def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str, cluster_k
                                 stall_dead_after_s=args.stall_dead_after_s, cluster_key=cluster_key,
                                 extra_counters=extra_counters)
     raise_open_files_limit()
-    limits = HTTPLimits(body_read_timeout_s=args.body_read_timeout_s,
-                        max_in_flight_per_client=args.max_in_flight_per_client,
-                        max_in_flight_per_key=args.max_in_flight_per_key,
-                        max_response_entries=args.max_response_entries, max_stream_backlog=args.max_stream_backlog)
+    limits = from_args(HTTPLimits, args)
     app = build_app(client, load_tokenizer(model), args.served_model_name or Path(model).name,
                     api_key=args.api_key or None, grammar_timeout_s=args.grammar_timeout_s,
                     max_grammar_bytes=args.max_grammar_bytes, limits=limits)
@@ -229,12 +146,7 @@ def child_argv(args: argparse.Namespace, role: EngineRole, name: str, server_add
     if role == EngineRole.DECODE:  # the last --max-num-batched-tokens wins
         budget = min(args.max_num_batched_tokens, args.decode_max_num_batched_tokens)
         argv += ["--max-num-batched-tokens", str(budget)]
-    if args.kv_key:
-        argv += ["--kv-key", args.kv_key]
-    if args.kv_checksum:
-        argv += ["--kv-checksum"]
-    return argv + ["--kv-transfer-mode", args.kv_transfer_mode,
-                   "--kv-layerwise-min-tokens", str(args.kv_layerwise_min_tokens)]
+    return argv + to_argv(args, KVTransferConfig, KV_PREFIX)
 
 
 def start_child(argv: list[str], env: dict[str, str], cpus: set[int] | None) -> subprocess.Popen:
@@ -261,7 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     supervisor = Supervisor()  # restarts an engine that exits unexpectedly
     # Engine health ports are for engines deployed one per container; here every child would
     # inherit the same port and all but one would fail to bind it. The front end's /health covers them.
-    env = engine_env({k: v for k, v in os.environ.items() if k != _env("--health-port")} | env_key)
+    env = engine_env({k: v for k, v in os.environ.items() if k != settings.flag_env_name("--health-port")} | env_key)
     cores = sorted(os.sched_getaffinity(0))
     for role, count in roles:
         for i in range(count):
@@ -310,7 +222,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def cmd_keygen(args: argparse.Namespace) -> None:
     """A new cluster key, readable by its owner only. Every process of one deployment (front end,
     prefill, decode) gets the same file as PDSERVE_CLUSTER_KEY_FILE (a mounted secret)."""
-    from engine.config import ClusterKey
+    from engine.cluster_key import ClusterKey
 
     key = ClusterKey.generate()
     path = Path(args.path)
@@ -352,17 +264,7 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
     """Bounds on clients (server/limits.py: why each default is far from what a fair client needs)."""
     from server.limits import HTTPLimits
 
-    d = HTTPLimits()
-    add_flag(p, "--body-read-timeout-s", float, d.body_read_timeout_s, "a request body must arrive whole within "
-             "this (408 and the connection closed otherwise); no serving slot is taken before it has")
-    add_flag(p, "--max-in-flight-per-client", int, d.max_in_flight_per_client, "requests in flight from one client "
-             "address (429 beyond; 0: off, e.g. behind a reverse proxy, where every request has its address)")
-    add_flag(p, "--max-in-flight-per-key", int, d.max_in_flight_per_key, "requests in flight per API key when "
-             "--api-key lists several keys (429 beyond; 0: off)")
-    add_flag(p, "--max-response-entries", int, d.max_response_entries, "refuse (400) a request whose response "
-             "could hold more than this many choices x max_tokens x (1 + logprobs)")
-    add_flag(p, "--max-stream-backlog", int, d.max_stream_backlog, "abort a stream (freeing its KV) once this many "
-             "tokens x (1 + logprobs) were generated while its client read nothing")
+    add_flags(p, HTTPLimits)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -376,8 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(serve, "--mode", ServeMode, ServeMode.PD, "pd | colocated")
     add_flag(serve, "--num-prefill", int, 1, "prefill engine processes")
     add_flag(serve, "--num-decode", int, 1, "decode engine processes")
-    add_flag(serve, "--kv-key", str, "", "shared key required on the KV port")
-    add_kv_payload_flags(serve, "", "checksum every KV payload (xxh3), verified before admission")
+    add_flags(serve, KVTransferConfig, KV_PREFIX, SERVE_KV_FIELDS, say_role=False)
     add_flag(serve, "--cpu-affinity", str, "none", "pin | none: pin each engine process to its own cores")
     add_flag(serve, "--prefill-threads", int, None, "torch threads of each prefill engine (default: --num-threads)")
     add_flag(serve, "--decode-max-num-batched-tokens", int, 1024, "PD: token budget of a decode engine's step, "
@@ -389,17 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_flags(p)
         add_flag(p, "--name", str, None, f"unique instance name (default {role}-HOSTNAME)")
         add_flag(p, "--server-addr", str, "tcp://127.0.0.1:5500", "connect: the front end's engine socket")
-        add_flag(p, "--kv-addr", str, "", "prefill: bind address of the KV port (default tcp://127.0.0.1:random)")
-        add_flag(p, "--kv-advertise", str, "",
-                 "prefill: KV address decode instances dial, e.g. tcp://{ip}:5700 ({ip}: this host's routable "
-                 "address; default: derived from --kv-addr, never loopback for a 0.0.0.0 bind)")
-        add_flag(p, "--kv-key", str, "", "shared key required on the KV port")
-        add_flag(p, "--kv-lease-s", float, 30.0, "prefill: free held KV blocks after this long without the decode side")
-        add_flag(p, "--kv-deadline-s", float, KVTransferConfig.deadline_s,
-                 "decode: give up a KV transfer that made no progress for this long (one still receiving never)")
-        add_flag(p, "--kv-reserve-deadline-s", float, 20.0,
-                 "decode: fail a request (retryable) that got no KV blocks within this long")
-        add_kv_payload_flags(p, "prefill: ", "prefill: checksum every KV payload (xxh3); decode verifies any it gets")
+        add_flags(p, KVTransferConfig, KV_PREFIX)
         add_flag(p, "--health-port", int, None, "serve GET /health on this port (0.0.0.0) for probes; off by default")
         add_flag(p, "--register-timeout-s", float, 60.0, "exit (status 3) when the front end has not accepted this "
                  "engine's handshake by then (no or wrong cluster key, wrong address); a front end lost later is "

@@ -34,7 +34,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from engine import messages as msg
-from engine.config import ClusterKey, check_bind
+from engine.cluster_key import ClusterKey, check_bind
 from engine.sockets import harden
 from engine.types import EngineRole
 

@@ -17,8 +17,9 @@ import logging
 import resource
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from engine.config import flag
 from server.errors import APIError
 from server.openai_schemas import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 
@@ -30,26 +31,35 @@ OPEN_FILES_TARGET = 65536  # as vLLM's API server raises it
 
 @dataclass(frozen=True)
 class HTTPLimits:
-    """Each bound's default is far above what one fair client needs (see each field's note)."""
+    """Each bound's default is far above what one fair client needs (see each field's note). Each
+    field is a flag of the front end's commands (server/flags.py)."""
 
     # The whole body must arrive within this: a 4 MiB body (the size limit) at 1 Mbit/s takes
     # about half of it. A slow or stalled sender gets 408 and its connection is closed.
-    body_read_timeout_s: float = 60.0
+    body_read_timeout_s: float = field(default=60.0, metadata=flag(
+        "a request body must arrive whole within this (408 and the connection closed otherwise); no serving slot "
+        "is taken before it has"))
     # Three quarters of the global cap each: one client or one key can never take the whole server,
     # a quarter always stays for the others, and a benchmark from one host still runs hundreds of
     # requests at once. Behind a reverse proxy every request comes from the proxy's address: set the
     # per-client cap to 0 (off) there.
-    max_in_flight_per_client: int = DEFAULT_MAX_QUEUE * 3 // 4
+    max_in_flight_per_client: int = field(default=DEFAULT_MAX_QUEUE * 3 // 4, metadata=flag(
+        "requests in flight from one client address (429 beyond; 0: off, e.g. behind a reverse proxy, where every "
+        "request has its address)"))
     # Applies only with more than one API key (one shared key identifies the deployment, not a user).
-    max_in_flight_per_key: int = DEFAULT_MAX_QUEUE * 3 // 4
+    max_in_flight_per_key: int = field(default=DEFAULT_MAX_QUEUE * 3 // 4, metadata=flag(
+        "requests in flight per API key when --api-key lists several keys (429 beyond; 0: off)"))
     # choices x max_tokens x (1 + logprobs): one entry is one token or one top-logprob alternative,
     # a few tens of bytes of JSON. 2^19 admits 128 choices of 4096 tokens each, or one 4096-token
     # choice with 20 alternatives per token, and refuses the issue's 256 choices of 500 tokens with
     # 20 alternatives each.
-    max_response_entries: int = 2**19
+    max_response_entries: int = field(default=2**19, metadata=flag(
+        "refuse (400) a request whose response could hold more than this many choices x max_tokens x (1 + logprobs)"))
     # Entries (as above) a stream may produce while its writer waits on the client's socket (the
     # socket's own buffers are full): a client that reads at all never gets near this.
-    max_stream_backlog: int = 2**16
+    max_stream_backlog: int = field(default=2**16, metadata=flag(
+        "abort a stream (freeing its KV) once this many tokens x (1 + logprobs) were generated while its client "
+        "read nothing"))
 
 
 class InFlightCaps:

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 
 from engine import messages as msg
-from engine.config import ClusterKey
+from engine.cluster_key import ClusterKey
 from engine.types import EngineRole, FinishReason, SamplingParams, ServeMode
 from engine.validation import check_prompt
 from server.engine_router import Arrival, EngineRouter, EngineState, Instance

@@ -14,7 +14,7 @@ import torch
 import zmq
 from pd_harness import ThreadedEngines, client_for, running_client, wait_ready
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, KVTransferConfig
 from engine.process import EngineProcess
 from engine.types import SamplingParams
 from kv_transfer import messages as m
@@ -151,18 +151,19 @@ class PDPair:
 
 @contextmanager
 def pd_pair(tmp_path: Path, model: str, max_model_len: int, *, prefill: dict | None = None,
-            decode: dict | None = None, prefill_kv: dict | None = None, decode_kv: dict | None = None,
+            decode: dict | None = None, prefill_kv: KVTransferConfig | None = None,
+            decode_kv: KVTransferConfig | None = None,
             before_start: Callable[[EngineProcess, EngineProcess], None] | None = None,
             **client_kwargs) -> Iterator[PDPair]:
     """prefill-0 and decode-0 as threads of this process, registered with a running client.
     `prefill`/`decode`: EngineConfig fields beyond the common ones; `prefill_kv`/`decode_kv`: the
-    engines' KV keyword arguments (kv_mode=..., kv_lease_s=...); `before_start(prefill, decode)`
+    engines' KV settings; `before_start(prefill, decode)`
     patches the engines before their loops start; `client_kwargs` go to the RemoteEngineClient.
     The engines stop when the block ends."""
     engines = ThreadedEngines(tmp_path)
     common = dict(model=model, max_model_len=max_model_len, num_threads=1)
-    p = engines.add("prefill", "prefill-0", EngineConfig(**{**common, **(prefill or {})}), **(prefill_kv or {}))
-    d = engines.add("decode", "decode-0", EngineConfig(**{**common, **(decode or {})}), **(decode_kv or {}))
+    p = engines.add("prefill", "prefill-0", EngineConfig(**{**common, **(prefill or {})}), prefill_kv)
+    d = engines.add("decode", "decode-0", EngineConfig(**{**common, **(decode or {})}), decode_kv)
     if before_start is not None:
         before_start(p, d)
     engines.start()

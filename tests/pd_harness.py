@@ -3,6 +3,7 @@ real processes (for kill -9), plus a RemoteEngineClient to drive them without HT
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -14,7 +15,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, KVTransferConfig, ModelConfig
 from engine.process import EngineProcess
 from engine.types import SamplingParams
 from server.pd_client import RemoteEngineClient
@@ -48,10 +49,13 @@ class ThreadedEngines:
         self.procs: dict[str, EngineProcess] = {}
         self.threads: list[threading.Thread] = []
 
-    def add(self, role: str, name: str, config: EngineConfig, **kv) -> EngineProcess:
-        if role == "prefill":
-            kv.setdefault("kv_addr", f"ipc://{self.tmp}/{name}-kv-{uuid.uuid4().hex[:6]}")
-        proc = EngineProcess(role, config, name, self.server_addr, **kv)
+    def add(self, role: str, name: str, config: EngineConfig, kv: KVTransferConfig | None = None,
+            **kwargs) -> EngineProcess:
+        """`kwargs`: EngineProcess's other arguments (cluster_key, ...)."""
+        kv = kv or KVTransferConfig()
+        if role == "prefill" and not kv.addr:
+            kv = dataclasses.replace(kv, addr=f"ipc://{self.tmp}/{name}-kv-{uuid.uuid4().hex[:6]}")
+        proc = EngineProcess(role, config, name, self.server_addr, kv, **kwargs)
         self.procs[name] = proc
         thread = threading.Thread(target=proc.run, daemon=True, name=name)
         self.threads.append(thread)

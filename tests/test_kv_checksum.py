@@ -7,6 +7,7 @@ from conftest import random_prompts
 from kv_harness import VOCAB, greedy, pd_pair
 from pd_harness import generate_all, wait_blocks_free
 
+from engine.config import KVTransferConfig
 from kv_transfer import sender as sender_mod
 
 NEW = 10
@@ -32,7 +33,7 @@ def test_flipped_bit_in_a_payload_is_detected(checkpoints, references, tmp_path,
     model = str(checkpoints["qwen2"])
     prompts = random_prompts(3, 20, 60, VOCAB, 144)
     # The whole-transfer path computes its checksum here (layer-wise: tests/test_kv_layerwise.py).
-    with pd_pair(tmp_path, model, 256, prefill_kv=dict(kv_checksum=True, kv_mode="after-prefill")) as pd:
+    with pd_pair(tmp_path, model, 256, prefill_kv=KVTransferConfig(checksum=True, mode="after-prefill")) as pd:
         run, client = pd.run, pd.client
         (first,) = run(generate_all(client, prompts[:1], GREEDY, timeout=30))
         stats = pd.decode.connector.receiver.stats

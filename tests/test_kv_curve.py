@@ -14,7 +14,8 @@ from pd_harness import ThreadedEngines, client_for, free_port, generate_all, run
 from tcp_relay import TcpRelay
 
 from engine import messages as em
-from engine.config import ClusterKey, EngineConfig, check_bind
+from engine.cluster_key import ClusterKey, check_bind
+from engine.config import EngineConfig, KVTransferConfig
 from kv_transfer import messages as m
 from server.metrics import ServerMetrics
 
@@ -30,9 +31,10 @@ def run_pd_over_taps(model: str, tmp_path, key: ClusterKey | None, prompt: list[
     engines = ThreadedEngines(tmp_path)
     engines.server_addr = f"tcp://127.0.0.1:{fe_tap.port}"
     common = dict(model=model, max_model_len=256, num_threads=1)
-    prefill = engines.add("prefill", "prefill-0", EngineConfig(**common), cluster_key=key, kv_key=KV_KEY,
-                          kv_addr=f"tcp://127.0.0.1:{kv_port}", kv_advertise=f"tcp://127.0.0.1:{kv_tap.port}")
-    engines.add("decode", "decode-0", EngineConfig(**common), cluster_key=key, kv_key=KV_KEY)
+    prefill = engines.add("prefill", "prefill-0", EngineConfig(**common),
+                          KVTransferConfig(key=KV_KEY, addr=f"tcp://127.0.0.1:{kv_port}",
+                                           advertise=f"tcp://127.0.0.1:{kv_tap.port}"), cluster_key=key)
+    engines.add("decode", "decode-0", EngineConfig(**common), KVTransferConfig(key=KV_KEY), cluster_key=key)
     client = client_for(f"tcp://127.0.0.1:{fe_port}", model, "pd", 256, cluster_key=key)
     engines.start()
     try:

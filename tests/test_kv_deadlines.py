@@ -17,6 +17,7 @@ from conftest import random_prompts
 from kv_harness import VOCAB, FakeClock, JumpClock, greedy, kv_shape, pd_pair, pump
 from pd_harness import generate_all, wait_blocks_free, wait_until
 
+from engine.config import KVTransferConfig
 from engine.request import DecodeHandoff, Request
 from engine.types import SamplingParams
 from kv_transfer.receiver import KVReceiver
@@ -77,7 +78,7 @@ def test_reservation_that_cannot_fit_and_one_stuck_behind_full_memory(checkpoint
     # max_resumes=0: this is about D's own deadline; failover would re-queue the request (its t0 was
     # streamed) behind the same full memory, up to --max-resumes times.
     with pd_pair(tmp_path, model, 64, decode=dict(num_kv_blocks=4, speculative_method="ngram"),
-                 decode_kv=dict(kv_reserve_deadline_s=LONG_S), before_start=install, max_resumes=0) as pd:
+                 decode_kv=KVTransferConfig(reserve_deadline_s=LONG_S), before_start=install, max_resumes=0) as pd:
         run, decode = pd.run, pd.decode
         connector, stats = decode.connector, decode.connector.receiver.stats
         never, stuck = random_prompts(2, 62, 10, VOCAB, 143)  # 62 and 10 tokens
@@ -122,8 +123,8 @@ def test_prefill_lease_expiry_reaches_decode_as_a_clear_error(checkpoints, tmp_p
     # max_resumes=0: the error itself is under test; with failover on, the request (t0 streamed) is
     # resumed with a fresh transfer and completes once memory is back.
     with pd_pair(tmp_path, model, 256, decode=dict(num_kv_blocks=16),
-                 prefill_kv=dict(kv_lease_s=LONG_S),
-                 decode_kv=dict(kv_reserve_deadline_s=LONG_S, kv_deadline_s=LONG_S),
+                 prefill_kv=KVTransferConfig(lease_s=LONG_S),
+                 decode_kv=KVTransferConfig(reserve_deadline_s=LONG_S, deadline_s=LONG_S),
                  before_start=install, max_resumes=0) as pd:
         sender, receiver = pd.prefill.connector.sender, pd.decode.connector.receiver
         hooks["hog"] = True

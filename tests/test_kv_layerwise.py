@@ -16,7 +16,7 @@ from kv_harness import VOCAB, FakePrefill, greedy, kv_shape, layer_message, pd_p
 from pd_harness import ThreadedEngines, generate_all, wait_blocks_free, wait_until
 
 from engine import messages as em
-from engine.config import EngineConfig
+from engine.config import EngineConfig, KVTransferConfig
 from engine.types import KVTransferMode, SamplingParams
 from kv_transfer import messages as m
 from kv_transfer.layer_stream import LayerStreamer
@@ -28,14 +28,14 @@ GREEDY = greedy(NEW)
 SHAPE = kv_shape(3)  # a middle layer too
 
 
-def run_pd(tmp_path, model: str, batches, mode: str, spec: str | None = "mtp", decode_kwargs=None, prefill_hook=None,
+def run_pd(tmp_path, model: str, batches, mode: str, spec: str | None = "mtp", decode_kv=None, prefill_hook=None,
            **prefill_kv):
     """Each batch of prompts runs after the previous one finished; `prefill_hook(prefill)` runs
-    before the engines start."""
+    before the engines start; `prefill_kv`: KVTransferConfig fields of P beyond the mode."""
     spec_config = dict(speculative_method=spec, num_speculative_tokens=1)
     with pd_pair(tmp_path, model, 320, prefill=dict(spec_config, max_num_batched_tokens=64),
-                 decode=dict(spec_config, max_num_seqs=4), decode_kv=decode_kwargs,
-                 prefill_kv=dict(kv_mode=mode, kv_checksum=True, **{"kv_layerwise_min_tokens": 0, **prefill_kv}),
+                 decode=dict(spec_config, max_num_seqs=4), decode_kv=decode_kv,
+                 prefill_kv=KVTransferConfig(mode=mode, checksum=True, **{"layerwise_min_tokens": 0, **prefill_kv}),
                  before_start=None if prefill_hook is None else lambda prefill, _decode: prefill_hook(prefill)) as pd:
         run, client, prefill = pd.run, pd.client, pd.prefill
         results = [r for batch in batches for r in run(generate_all(client, batch, GREEDY, concurrency=4))]
@@ -91,7 +91,7 @@ def test_prompt_cached_but_its_last_token_still_gets_its_mtp_layer_when_p_drafts
         prefill.core.runner.spec_policy.choose = lambda batch_size, pending=0, sampled=False: 0
 
     results, p_counters, d_counters = run_pd(tmp_path, str(mtp_checkpoints["qwen2"]), [[prompt], [prompt]], mode,
-                                             decode_kwargs={"kv_deadline_s": 5.0}, prefill_hook=no_drafts_on_p)
+                                             decode_kv=KVTransferConfig(deadline_s=5.0), prefill_hook=no_drafts_on_p)
     assert p_counters["prefix_cache_hit_blocks"] >= 4
     for r in results:
         assert r["error"] is None and r["finish_reason"] == "length", r
@@ -109,7 +109,7 @@ def test_prompts_below_the_layerwise_threshold_go_whole(mtp_checkpoints, referen
     snapshot costs more than it saves there), a long one's layer by layer; both exact."""
     short, long_ = random_prompts(1, 40, 40, VOCAB, 155)[0], random_prompts(1, 200, 200, VOCAB, 156)[0]
     results, p_counters, d_counters = run_pd(tmp_path, str(mtp_checkpoints["qwen2"]), [[short], [long_]],
-                                             KVTransferMode.LAYERWISE, kv_layerwise_min_tokens=100)
+                                             KVTransferMode.LAYERWISE, layerwise_min_tokens=100)
     for p, r in zip((short, long_), results):
         assert r["error"] is None, r
         references["qwen2"].assert_matches(p, r["tokens"], NEW, f"{len(p)} tokens")
@@ -142,8 +142,9 @@ def test_partial_stream_ends_in_the_failure_path_with_every_block_back(checkpoin
 
         monkeypatch.setattr(prefill.connector.sender, "publish_layer", publish_layer_0)
 
-    with pd_pair(tmp_path, model, 128, prefill_kv=dict(kv_mode="layerwise", kv_layerwise_min_tokens=0, kv_lease_s=30.0),
-                 decode_kv=dict(kv_deadline_s=1.5), before_start=first_layer_only) as pd:
+    with pd_pair(tmp_path, model, 128,
+                 prefill_kv=KVTransferConfig(mode="layerwise", layerwise_min_tokens=0, lease_s=30.0),
+                 decode_kv=KVTransferConfig(deadline_s=1.5), before_start=first_layer_only) as pd:
         run, client, prefill, decode = pd.run, pd.client, pd.prefill, pd.decode
         results = run(generate_all(client, random_prompts(2, 20, 60, VOCAB, 154), GREEDY, timeout=60))
         assert all(r["finish_reason"] == "error" and "timed out" in r["error"] for r in results), results
@@ -170,7 +171,7 @@ def test_a_layer_corrupted_on_the_wire_is_caught_before_admission(checkpoints, r
     model = str(checkpoints["qwen2"])
     prompts = random_prompts(3, 20, 60, VOCAB, 155)
     with pd_pair(tmp_path, model, 128,
-                 prefill_kv=dict(kv_mode="layerwise", kv_layerwise_min_tokens=0, kv_checksum=True)) as pd:
+                 prefill_kv=KVTransferConfig(mode="layerwise", layerwise_min_tokens=0, checksum=True)) as pd:
         run, client = pd.run, pd.client
         results = run(generate_all(client, prompts, GREEDY, concurrency=1, timeout=60))
         assert flipped["n"] == 1 and pd.decode.connector.receiver.stats.checksum_mismatches == 1
@@ -189,8 +190,8 @@ def test_decode_vanishing_mid_stream_leaves_nothing_held_on_prefill(checkpoints,
     model = str(checkpoints["qwen2"])
     engines = ThreadedEngines(tmp_path)
     prefill = engines.add("prefill", "prefill-0", EngineConfig(model=model, max_model_len=256,
-                                                               max_num_batched_tokens=32), kv_lease_s=1.5,
-                          kv_mode="layerwise", kv_layerwise_min_tokens=0)
+                                                               max_num_batched_tokens=32),
+                          KVTransferConfig(lease_s=1.5, mode="layerwise", layerwise_min_tokens=0))
     engines.start()
     ctx = zmq.Context()
     front = ctx.socket(zmq.ROUTER)  # stands in for the front end

@@ -18,9 +18,11 @@ PACKAGES = ("engine", "scheduler", "worker", "kv_transfer", "server", "benchmark
 
 # The modules of engine/ that the lower layers may use: plain data and configuration, which
 # import nothing of ours but each other.
-ENGINE_LEAVES = ("engine.types", "engine.config", "engine.request", "engine.sockets", "engine.settings")
-LEAF_IMPORTS = {"engine.types": set(), "engine.config": {"engine.settings"}, "engine.request": {"engine.types"},
-                "engine.sockets": set(), "engine.settings": set()}
+ENGINE_LEAVES = ("engine.types", "engine.config", "engine.request", "engine.sockets", "engine.settings",
+                 "engine.cluster_key")
+LEAF_IMPORTS = {"engine.types": set(), "engine.config": {"engine.settings", "engine.types"},
+                "engine.request": {"engine.types"}, "engine.sockets": set(), "engine.settings": set(),
+                "engine.cluster_key": {"engine.settings"}}
 
 # What each package may import of ours (a name allows that module and everything under it).
 MAY_IMPORT = {

@@ -5,7 +5,7 @@ import pytest
 from conftest import random_prompts
 from pd_harness import ThreadedEngines, client_for, generate_all, running_client, wait_blocks_free, wait_ready
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, KVTransferConfig
 from engine.types import SamplingParams
 from worker.states import RequestStates
 
@@ -24,7 +24,7 @@ def pd_outputs(tmp_path, model: str, prompts, params=GREEDY, decode_kwargs=None,
     else:
         prefill_common = {**common, "speculative_method": spec, "num_speculative_tokens": 1}
         engines.add("prefill", "prefill-0", EngineConfig(**prefill_common, max_num_batched_tokens=128,
-                                                         **(prefill_kwargs or {})), **(prefill_kv or {}))
+                                                         **(prefill_kwargs or {})), prefill_kv)
         engines.add("decode", "decode-0", EngineConfig(**common, **{"max_num_seqs": 2, **(decode_kwargs or {})}))
         mode = "pd"
     engines.start()
@@ -115,7 +115,7 @@ def test_decode_drafts_from_the_hidden_states_prefill_hands_over(kv_mode, mtp_ch
 
     def first_drafts(**kwargs) -> dict[tuple[int, ...], list[int]]:
         first.clear()
-        kv = {} if kwargs.get("colocated") else {"kv_mode": kv_mode, "kv_layerwise_min_tokens": 0}
+        kv = None if kwargs.get("colocated") else KVTransferConfig(mode=kv_mode, layerwise_min_tokens=0)
         results, _ = pd_outputs(tmp_path, model, prompts, spec="mtp", spec_policy="fixed", prefill_kv=kv, **kwargs)
         assert all(r["error"] is None for r in results)
         assert len(first) == len(prompts)

@@ -28,7 +28,7 @@ from pd_harness import (
 )
 from test_server_api import ServerThread
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, KVTransferConfig
 from engine.process import FaultExitOnPrompt
 from engine.types import SamplingParams
 from server.app import build_app
@@ -64,8 +64,8 @@ def test_forced_resumes_are_exact_greedy_and_seeded(mtp_checkpoints, references,
     common = dict(model=model, max_model_len=256, num_threads=1, block_size=16)
     # Layer-wise KV for these short prompts too: a resumed request's layer stream must cover prompt + streamed[:-1].
     engines.add("prefill", "prefill-0", EngineConfig(**common, speculative_method="mtp", num_speculative_tokens=1,
-                                                     max_num_batched_tokens=32), kv_mode="layerwise",
-                                                     kv_layerwise_min_tokens=0)
+                                                     max_num_batched_tokens=32),
+                KVTransferConfig(mode="layerwise", layerwise_min_tokens=0))
     engines.add("decode", "decode-0", EngineConfig(**common, speculative_method="mtp", num_speculative_tokens=2))
     engines.start()
     client = client_for(engines.server_addr, model, "pd", 256)

@@ -18,7 +18,7 @@ from pd_harness import (
     wait_until,
 )
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, KVTransferConfig
 from engine.types import SamplingParams
 from kv_transfer import messages as m
 
@@ -35,8 +35,8 @@ def test_decode_dies_after_receiving_kv_prefill_frees_blocks_within_lease(checkp
     model = str(checkpoints["qwen2"])
     engines = ThreadedEngines(tmp_path)
     # The whole-transfer wire form, read by hand below (layer-wise: tests/test_kv_layerwise.py).
-    prefill = engines.add("prefill", "prefill-0", EngineConfig(model=model, max_model_len=256), kv_lease_s=1.5,
-                          kv_mode="after-prefill")
+    prefill = engines.add("prefill", "prefill-0", EngineConfig(model=model, max_model_len=256),
+                          KVTransferConfig(lease_s=1.5, mode="after-prefill"))
     engines.start()
     ctx = zmq.Context()
     front = ctx.socket(zmq.ROUTER)  # stands in for the front end

@@ -101,8 +101,9 @@ class ModelRunner:
         self.check_invariants = invariants.enabled()
         self.kv_tap: KVTap | None = None  # set by a prefill engine in PD (layer-wise KV push)
         # False on a prefill engine in PD: its requests leave after t0, so it runs the MTP layer over
-        # the prompts (their MTP KV is handed over) but never drafts (Speculator.propose).
-        self.proposes_drafts = True
+        # the prompts (their MTP KV is handed over) but never drafts (Speculator.propose), and its steps
+        # neither consult the policy nor count in the chosen-k metric (under load they would skew it toward k=0).
+        self.proposes_drafts = config.proposes_drafts
 
     def _make_speculator(self) -> Speculator:
         config = self.config
