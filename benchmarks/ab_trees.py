@@ -44,6 +44,14 @@ logger = logging.getLogger("ab_trees")
 SPEC_ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x\s+([\d.]+)x\s+([\d.]+)x\s+([\d.]+)x")
 
 
+def tree_commit(tree: Path) -> str:
+    run = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         check=False)
+    dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, check=False).stdout.strip()
+    return (run.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
+
+
 def tree_env(tree: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(tree), "PDSERVE_LOG_LEVEL": "WARNING"}
 
@@ -59,7 +67,7 @@ def serving(tree: Path, args: argparse.Namespace, seed: int, log: Path) -> dict[
         flags = ["--port", str(port), "--tokenizer", str(DEFAULT_MODEL_DIR), "--dataset-name", "random",
                  "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
                  "--random-range-ratio", "0.25", "--max-concurrency", str(args.concurrency), "--ignore-eos",
-                 "--request-rate", "inf", "--temperature", "0", "--disable-tqdm"]
+                 "--request-rate", "inf", "--temperature", "0", "--disable-tqdm", "--percentiles", "50,99"]
         with contextlib.redirect_stdout(io.StringIO()):  # the warm-up: other prompts, short outputs
             bench_serving.benchmark(bench_serving.parse_args(
                 [*flags, "--num-prompts", str(args.concurrency), "--seed", str(seed + 1000)]))
@@ -97,7 +105,8 @@ def report(rows: list[dict], trees: dict[str, str], args: argparse.Namespace) ->
               if (v := [r["values"][k] for r in rows if r["tree"] == "before" and k in r["values"]])}
     lines = [
         "# Before/after on the same machine (benchmarks/ab_trees.py)", "",
-        f"- before: `{trees['before']}`; after: `{trees['after']}`",
+        f"- before: `{trees['before']}` at `{tree_commit(Path(trees['before']))}`; after: `{trees['after']}` at "
+        f"`{tree_commit(Path(trees['after']))}`",
         f"- {len(rows) // 2} round(s), trees alternating (A B, B A, ...); each cell: median over the rounds",
         f"- serving: each tree's `pdserve serve` defaults (bundled model, PD + MTP), `pdserve bench` from the "
         f"after tree: {args.num_prompts} random prompts of ~{args.input_len} tokens, {args.output_len} new, "
@@ -144,8 +153,8 @@ def main() -> None:
                 values |= serving(tree, args, rnd, args.work_dir / f"{name}-r{rnd}-serve.log")
             if "spec" in args.parts:
                 values |= spec_offline(tree, args, args.work_dir / f"{name}-r{rnd}-spec.log")
-            row = {"run": run_id, "round": rnd, "tree": name, "path": trees[name], "load": os.getloadavg()[0],
-                   "values": values}
+            row = {"run": run_id, "round": rnd, "tree": name, "path": trees[name], "commit": tree_commit(tree),
+                   "load": os.getloadavg()[0], "values": values}
             logger.info("%s", json.dumps(row))
             rows.append(row)
             with args.history.open("a") as f:
