@@ -129,7 +129,7 @@ class Workload(Online):
     title: str = ""
 
 
-FP32 = ("vllm", "vllm-2t", "colocated", "pd", "llama-f32", "llama-f32-1t")
+FP32 = ("vllm", "vllm-2t", "colocated", "colocated-2t", "pd", "llama-f32", "llama-f32-1t")
 INT8 = ("colocated-int8", "pd-int8", "llama-q8", "llama-q8-1t")
 
 
@@ -137,7 +137,7 @@ def workloads(quick: bool) -> list[Workload]:
     """The workloads issue 46's targets need; --quick keeps their shapes with far fewer requests."""
     n = (lambda full, q: q) if quick else (lambda full, q: full)
     return [
-        Workload("tiny-c16", n(64, 16), 16, 256, n(128, 32), 0.25, (*FP32, "colocated-2t", "default"),
+        Workload("tiny-c16", n(64, 16), 16, 256, n(128, 32), 0.25, (*FP32, "default"),
                  "tiny", "Bundled model, 16 in flight"),
         Workload("0.5b-c8", n(24, 8), 8, 200, n(64, 16), 0.2, FP32, "qwen3-0.6b", "0.5B-class fp32, 8 in flight"),
         Workload("0.5b-c1", n(6, 2), 1, 200, n(64, 16), 0.2, FP32, "qwen3-0.6b", "0.5B-class fp32, 1 in flight"),
