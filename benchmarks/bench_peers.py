@@ -102,7 +102,7 @@ class Offline:
 
 
 # The fair suite's servers (benchmarks/peers_fair.py), by short key.
-SHORT_KEYS = ("vllm", "vllm-2t", "colocated", "colocated-2t", "pd", "default", "llama-f32", "llama-f32-1t",
+SHORT_KEYS = ("vllm", "vllm-2t", "colocated", "colocated-2t", "pd", "pd-2t", "default", "llama-f32", "llama-f32-1t",
               "colocated-int8", "pd-int8", "llama-q8", "llama-q8-1t")
 # Thread layouts `pdserve serve` does not default to: rows only when asked for with --systems.
 LAYOUT_VARIANTS = ("colocated-2t", "pd-pinned", "pd-p2t", "pd-compiled", "colocated-compiled")

@@ -129,7 +129,7 @@ class Workload(Online):
     title: str = ""
 
 
-FP32 = ("vllm", "vllm-2t", "colocated", "colocated-2t", "pd", "llama-f32", "llama-f32-1t")
+FP32 = ("vllm", "vllm-2t", "colocated", "colocated-2t", "pd", "pd-2t", "llama-f32", "llama-f32-1t")
 INT8 = ("colocated-int8", "pd-int8", "llama-q8", "llama-q8-1t")
 
 
@@ -198,11 +198,16 @@ def pdserve_system(ck: Checkpoint, key: str) -> System:
         "colocated-2t": (["--mode", "colocated", "--num-threads", str(CORES)],
                          f"1 engine × {CORES} threads + front end"),
         "pd": (["--mode", "pd"], "prefill 1 thread + decode 1 thread + front end"),
+        # Both engines with every core: an idle one's threads sleep (pdserve's passive OpenMP wait), so the
+        # busy one gets the whole machine, e.g. a long prefill while decode waits for it.
+        "pd-2t": (["--mode", "pd", "--num-threads", str(CORES)],
+                  f"prefill {CORES} threads + decode {CORES} threads (sharing the cores) + front end"),
         "colocated-int8": (["--mode", "colocated", "--quantization", "int8"], "1 engine × 1 thread + front end"),
         "pd-int8": (["--mode", "pd", "--quantization", "int8"], "prefill 1 thread + decode 1 thread + front end"),
     }
     titles = {"colocated": "pdserve colocated", "colocated-2t": f"pdserve colocated, {CORES} threads",
-              "pd": "pdserve PD", "colocated-int8": "pdserve colocated int8", "pd-int8": "pdserve PD int8"}
+              "pd": "pdserve PD", "pd-2t": f"pdserve PD, {CORES} threads each",
+              "colocated-int8": "pdserve colocated int8", "pd-int8": "pdserve PD int8"}
     common = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--served-model-name", ck.name,
               "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
               "--max-num-seqs", str(SCHED["max_num_seqs"]),
