@@ -166,8 +166,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     roles = ([(EngineRole.COLOCATED, 1)] if colocated
              else [(EngineRole.PREFILL, args.num_prefill), (EngineRole.DECODE, args.num_decode)])
     # One core stays with the front end (HTTP, detokenizer, the engines' ZMQ traffic), as vLLM leaves
-    # one to its API server: on 2 cores a colocated engine with 1 thread serves 16 streams faster than
-    # with 2, whose OpenMP barriers stall whenever the front end takes a core (benchmarks/results/layout.txt).
+    # one to its API server: with the bundled model, whose steps are short, an engine with every core
+    # stalls at its OpenMP barriers whenever the front end takes one. Whether that holds for models whose
+    # steps are long is what benchmarks/results/peers.md's 2-thread rows measure.
     threads = args.num_threads or max(1, ((os.cpu_count() or 2) - 1) // sum(n for _, n in roles))
     role_threads = {EngineRole.PREFILL: args.prefill_threads} if args.prefill_threads else {}
     supervisor = Supervisor()  # restarts an engine that exits unexpectedly
