@@ -77,6 +77,7 @@ from benchmarks.peers_common import (  # noqa: E402
     vllm_preload,
 )
 from engine.config import DEFAULT_MODEL_DIR  # noqa: E402
+from server.openmp import openmp_env  # noqa: E402
 from server.procs import stop_process_group  # noqa: E402
 
 logger = logging.getLogger("bench_peers")
@@ -343,11 +344,10 @@ def run_offline(
     result_path.unlink(missing_ok=True)
     env = {**os.environ, **(vllm_env(args) if side == "vllm" else {**OFFLINE_ENV, "PYTHONPATH": str(REPO)})}
     if side == "pdserve":
-        # pdserve's own default, which server/cli.py sets for every engine (`pdserve generate`
-        # included) but a bare `engine.LLM` script does not. With OpenMP's spinning default, the
-        # offline engine measured 5-20x slower on this 2-core host while other work ran.
+        # pdserve's own OpenMP wait (server/openmp.py), which server/cli.py sets for every engine
+        # (`pdserve generate` included) but a bare `engine.LLM` script does not.
         # vLLM pins its engine thread itself (VLLM_CPU_OMP_THREADS_BIND).
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        env = openmp_env(env)
     log = work / f"offline-{side}-r{rnd}.log"
     logger.info("offline %s, round %d (log %s)", side, rnd + 1, log)
     with log.open("w") as f:
@@ -448,7 +448,7 @@ def markdown(
         f"`engine.LLM` vs `vllm.LLM`, the median of 3 timed `generate` calls, each over all prompts (prompt lengths "
         f"{int(offline[0].mean_input * (1 - offline[0].ratio))}–{int(offline[0].mean_input * (1 + offline[0].ratio))} "
         "tokens), greedy, `ignore_eos`, after a warm-up call; `max_num_seqs` = the largest workload on both sides; "
-        "pdserve with `OMP_WAIT_POLICY=PASSIVE` (its CLI's default), vLLM with its own thread binding.",
+        "pdserve with its CLI's OpenMP wait (server/openmp.py), vLLM with its own thread binding.",
         "",
         "| prompts × output tokens | vLLM | pdserve | pdserve / vLLM |",
         "|---|---:|---:|---:|",

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from server.allocator import engine_env  # noqa: E402
+from server.openmp import openmp_env  # noqa: E402
 
 
 def child(model: str | None, tokens: int, reps: int) -> None:
@@ -49,7 +50,7 @@ def child(model: str | None, tokens: int, reps: int) -> None:
 def run(allocator: str, args: argparse.Namespace) -> float:
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env = engine_env(env) if allocator == "tcmalloc" else {**env, "PDSERVE_MALLOC": "system"}
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env = openmp_env(env)  # as server/cli.py sets it for an engine
     argv = [sys.executable, __file__, "--child", "--tokens", str(args.tokens), "--reps", str(args.reps)]
     if args.model:
         argv += ["--model", args.model]

@@ -61,8 +61,8 @@ def servers(cores: int) -> list[Server]:
                f"P {half} thread + D {half} thread"),
         Server("colocated", "pdserve colocated, MTP", [*pdserve, "--mode", "colocated", "--num-threads", str(cores)],
                f"1 engine, {cores} threads"),
-        # pdserve sets OMP_WAIT_POLICY=PASSIVE unless told otherwise. This row shows why: OpenMP's own
-        # default spins at every parallel region's barrier, and when the engine's threads fill every core
+        # pdserve bounds OpenMP's spinning (server/openmp.py) unless told otherwise. This row shows why:
+        # with ACTIVE every thread spins at every barrier, and when the engine's threads fill every core
         # while the front end and the load generator need CPU too, a descheduled thread stalls every
         # barrier of every step (and the heartbeats with them).
         Server("colocated_spin", "pdserve colocated, MTP, spinning OpenMP",
@@ -226,8 +226,9 @@ def markdown(results: dict[str, dict[str, dict]], srvs: list[Server], meta: dict
              "ITL between chunks (a chunk carries 1 + accepted draft tokens with MTP), TPOT = (E2EL - TTFT) / "
              "(tokens - 1)", ""]
     lines += ["Notes on reading the tables:", "",
-              "- OpenMP: `pdserve` sets `OMP_WAIT_POLICY=PASSIVE` by default (the transformers baseline gets the "
-              "same). The `spinning OpenMP` row is the colocated engine with OpenMP's own default (`ACTIVE`): its 2 "
+              "- OpenMP: `pdserve` bounds OpenMP's spin (`GOMP_SPINCOUNT`, server/openmp.py) by default (the "
+              "transformers baseline gets `OMP_WAIT_POLICY=PASSIVE`). "
+              "The `spinning OpenMP` row is the colocated engine with OpenMP's own default (`ACTIVE`): its 2 "
               "threads spin at the barrier of every parallel region, the front end and the load generator need "
               "CPU too, so a descheduled thread stalls every barrier of every step, and a stalled loop sends no "
               "heartbeats (the front end declares an engine dead after 3 s). How badly depends on timing: in "

@@ -36,6 +36,7 @@ from engine.grammar import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from engine.types import EngineRole, ServeMode
 from server.allocator import engine_env, reexec_with_tcmalloc
 from server.flags import add_flag, add_flags, from_args, to_argv
+from server.openmp import openmp_env
 from server.procs import start_tied
 from server.supervisor import Supervisor
 
@@ -331,10 +332,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Engines share a few cores with the front end (and each other): OpenMP threads that spin at
-    # every barrier starve the other processes and stall whole steps (heartbeats included).
     # Must be set before torch starts OpenMP, i.e. before anything imports torch.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.update(openmp_env(os.environ))
     args = parse_args(argv)
     logging.basicConfig(level=settings.LOG_LEVEL.get(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
