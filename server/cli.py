@@ -36,6 +36,7 @@ from engine.grammar import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from engine.types import EngineRole, ServeMode
 from server.allocator import engine_env, reexec_with_tcmalloc
 from server.flags import add_flag, add_flags, from_args, to_argv
+from server.layout import Layout, plan_engines, weight_bytes
 from server.openmp import openmp_env
 from server.procs import start_tied
 from server.supervisor import Supervisor
@@ -163,21 +164,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="pdserve-"))
     server_addr = f"ipc://{run_dir}/frontend"
     cluster_key, env_key = serve_cluster_key(run_dir)
-    colocated = args.mode == ServeMode.COLOCATED
-    roles = ([(EngineRole.COLOCATED, 1)] if colocated
-             else [(EngineRole.PREFILL, args.num_prefill), (EngineRole.DECODE, args.num_decode)])
-    # One core stays with the front end (HTTP, detokenizer, the engines' ZMQ traffic), as vLLM leaves
-    # one to its API server: with the bundled model, whose steps are short, an engine with every core
-    # stalls at its OpenMP barriers whenever the front end takes one. Whether that holds for models whose
-    # steps are long is what benchmarks/results/peers.md's 2-thread rows measure.
-    threads = args.num_threads or max(1, ((os.cpu_count() or 2) - 1) // sum(n for _, n in roles))
+    plan = plan_engines(args.mode, len(os.sched_getaffinity(0)), args.num_prefill, args.num_decode,
+                        weight_bytes(args.model or default_model()), args.num_threads)
+    threads = plan.threads
     role_threads = {EngineRole.PREFILL: args.prefill_threads} if args.prefill_threads else {}
     supervisor = Supervisor()  # restarts an engine that exits unexpectedly
     # Engine health ports are for engines deployed one per container; here every child would
     # inherit the same port and all but one would fail to bind it. The front end's /health covers them.
     env = engine_env({k: v for k, v in os.environ.items() if k != settings.flag_env_name("--health-port")} | env_key)
     cores = sorted(os.sched_getaffinity(0))
-    for role, count in roles:
+    for role, count in plan.roles:
         for i in range(count):
             argv = child_argv(args, role, f"{role}-{i}", server_addr, run_dir, role_threads.get(role, threads))
             cpus = engine_cpus(len(supervisor.children), threads, cores) if args.cpu_affinity == "pin" else None
@@ -186,13 +182,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     signal.signal(signal.SIGTERM, lambda *_: (supervisor.stop(), sys.exit(0)))
     url = f"http://{args.host}:{args.port}"
-    print(f"pdserve: {args.mode} mode, {', '.join(f'{n} x {r}' for r, n in roles)}; serving on {url}; "
+    print(f"pdserve: {plan.mode} mode ({plan.why}), {', '.join(f'{n} x {r}' for r, n in plan.roles)}, "
+          f"{threads} threads each; serving on {url}; "
           f"engines connect to {server_addr}" + (" with a fresh cluster key" if env_key else "") + "\n"
           f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, \"temperature\": 0}}'", flush=True)
     try:
-        run_front_end(args, server_addr, ServeMode.COLOCATED if colocated else ServeMode.PD, cluster_key,
-                      supervisor.counters)
+        run_front_end(args, server_addr, plan.mode, cluster_key, supervisor.counters)
     except KeyboardInterrupt:
         pass
     finally:
@@ -277,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="front end + engines on this host")
     add_engine_flags(serve)
     add_front_end_flags(serve)
-    add_flag(serve, "--mode", ServeMode, ServeMode.PD, "pd | colocated")
+    add_flag(serve, "--mode", Layout, Layout.AUTO, "auto | pd | colocated: auto splits prefill and decode "
+             "only where each engine gets cores of its own (server/layout.py)")
     add_flag(serve, "--num-prefill", int, 1, "prefill engine processes")
     add_flag(serve, "--num-decode", int, 1, "decode engine processes")
     add_flags(serve, KVTransferConfig, KV_PREFIX, SERVE_KV_FIELDS, say_role=False)

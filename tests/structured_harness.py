@@ -13,8 +13,8 @@ from test_pd_http import Served
 CONFIGS = {
     # Drafts on every step: the adaptive policy may judge that drafting does not pay at these batch
     # sizes, and then nothing here would test speculation under a grammar.
-    "pd_mtp": ["--spec-policy", "fixed"],
-    "pd": ["--speculative-method", "none"],
+    "pd_mtp": ["--mode", "pd", "--spec-policy", "fixed"],
+    "pd": ["--mode", "pd", "--speculative-method", "none"],
     "colocated": ["--mode", "colocated", "--speculative-method", "none"],
 }
 MODEL = BUNDLED_MODEL.name

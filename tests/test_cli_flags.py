@@ -15,6 +15,7 @@ from engine.config import EngineConfig, KVTransferConfig
 from engine.types import EngineRole, KVTransferMode, ServeMode
 from server import cli
 from server.flags import flags_of, from_args
+from server.layout import Layout
 from server.limits import HTTPLimits
 
 # Every flag and its default as `main` had them before the flags were generated (bench and keygen aside).
@@ -40,7 +41,7 @@ ENGINE_PROCESS = {
     "--health-port": None, "--register-timeout-s": 60.0,
 }
 MAIN_FLAGS = {
-    "serve": {**ENGINE, **FRONT_END, "--mode": ServeMode.PD, "--num-prefill": 1, "--num-decode": 1, **KV_PAYLOAD,
+    "serve": {**ENGINE, **FRONT_END, "--mode": Layout.AUTO, "--num-prefill": 1, "--num-decode": 1, **KV_PAYLOAD,
               "--cpu-affinity": "none", "--prefill-threads": None, "--decode-max-num-batched-tokens": 1024},
     **{role: {**ENGINE, **ENGINE_PROCESS} for role in ("prefill", "decode", "colocated")},
     "server": {**ENGINE, **FRONT_END, "--bind-addr": "tcp://127.0.0.1:5500", "--mode": ServeMode.PD},

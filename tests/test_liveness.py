@@ -228,9 +228,9 @@ def _run_ignoring_disconnects(front: FrontEnd, during) -> None:
 def start_serve(port: int, env: dict, log: Path) -> subprocess.Popen:
     """`pdserve serve` of the bundled model (PD + MTP) in its own process group."""
     with open(log, "w") as out:
-        return start_tied([sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--model", MODEL,
-                           "--max-model-len", "256"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                           start_new_session=True)
+        return start_tied([sys.executable, "-m", "server.cli", "serve", "--mode", "pd", "--port", str(port),
+                           "--model", MODEL, "--max-model-len", "256"], cwd=REPO, env=env, stdout=out,
+                           stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def stop_serve(serve: subprocess.Popen) -> None:

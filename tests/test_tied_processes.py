@@ -32,7 +32,7 @@ from server.procs import start_tied
 group = ProcessGroup(Path(tempfile.mkdtemp(prefix="pdserve-tied-")))
 group.add("prefill", "prefill-0", str(BUNDLED_MODEL))
 group.add("decode", "decode-0", str(BUNDLED_MODEL))
-served = Served(str(BUNDLED_MODEL))
+served = Served(str(BUNDLED_MODEL), "--mode", "pd")
 # As `make serve`: a tied leader whose own child is not tied, so its group has a guard.
 shell = start_tied(["sh", "-c", "sleep 3600 & echo $!; wait"], stdout=subprocess.PIPE, start_new_session=True)
 guard = guard_group(shell.pid)
