@@ -53,6 +53,7 @@ from benchmarks.peers_common import (
     vllm_preload,
 )
 from engine.config import DEFAULT_MODEL_DIR
+from server.layout import Layout, plan_engines, weight_bytes
 from server.procs import stop_process_group
 
 logger = logging.getLogger("bench_peers")
@@ -139,9 +140,11 @@ def workloads(quick: bool) -> list[Workload]:
     return [
         Workload("tiny-c16", n(64, 16), 16, 256, n(128, 32), 0.25, (*FP32, "default"),
                  "tiny", "Bundled model, 16 in flight"),
-        Workload("0.5b-c8", n(24, 8), 8, 200, n(64, 16), 0.2, FP32, "qwen3-0.6b", "0.5B-class fp32, 8 in flight"),
-        Workload("0.5b-c1", n(6, 2), 1, 200, n(64, 16), 0.2, FP32, "qwen3-0.6b", "0.5B-class fp32, 1 in flight"),
-        Workload("0.5b-long", n(4, 2), 1, 1400, 16, 0.05, FP32, "qwen3-0.6b",
+        Workload("0.5b-c8", n(24, 8), 8, 200, n(64, 16), 0.2, (*FP32, "default"), "qwen3-0.6b",
+                 "0.5B-class fp32, 8 in flight"),
+        Workload("0.5b-c1", n(6, 2), 1, 200, n(64, 16), 0.2, (*FP32, "default"), "qwen3-0.6b",
+                 "0.5B-class fp32, 1 in flight"),
+        Workload("0.5b-long", n(4, 2), 1, 1400, 16, 0.05, (*FP32, "default"), "qwen3-0.6b",
                  "0.5B-class fp32, ~1.4k-token prompts, 1 in flight (TTFT)"),
         Workload("0.5b-int8-c8", n(24, 8), 8, 200, n(64, 16), 0.2, INT8, "qwen3-0.6b",
                  "0.5B-class int8 (pdserve `--quantization int8`) vs llama-server Q8_0, 8 in flight"),
@@ -192,35 +195,38 @@ def vllm_system(args: argparse.Namespace, ck: Checkpoint, both_cores: bool, conc
 
 
 def pdserve_system(ck: Checkpoint, key: str) -> System:
-    """pdserve's layouts by short key; budgets follow server/cli.py (one core left to the front end)."""
+    """pdserve's layouts by short key, each with the thread budget it names or else `pdserve serve`'s own
+    for this model on this host (server/layout.py)."""
+    # key: (title, layout, threads or None: serve's own, extra flags)
     layouts = {
-        "colocated": (["--mode", "colocated"], "1 engine × 1 thread + front end"),
-        "colocated-2t": (["--mode", "colocated", "--num-threads", str(CORES)],
-                         f"1 engine × {CORES} threads + front end"),
-        "pd": (["--mode", "pd"], "prefill 1 thread + decode 1 thread + front end"),
-        # Both engines with every core: an idle one's threads sleep (pdserve's passive OpenMP wait), so the
-        # busy one gets the whole machine, e.g. a long prefill while decode waits for it.
-        "pd-2t": (["--mode", "pd", "--num-threads", str(CORES)],
-                  f"prefill {CORES} threads + decode {CORES} threads (sharing the cores) + front end"),
-        "colocated-int8": (["--mode", "colocated", "--quantization", "int8"], "1 engine × 1 thread + front end"),
-        "pd-int8": (["--mode", "pd", "--quantization", "int8"], "prefill 1 thread + decode 1 thread + front end"),
+        "default": ("pdserve default (`pdserve serve --model DIR`)", Layout.AUTO, None, []),
+        "colocated": ("pdserve colocated", Layout.COLOCATED, None, []),
+        "colocated-2t": (f"pdserve colocated, {CORES} threads", Layout.COLOCATED, CORES, []),
+        "pd": ("pdserve PD", Layout.PD, None, []),
+        # Both engines with every core: an idle one's threads sleep (server/openmp.py), so the busy one
+        # gets the whole machine, e.g. a long prefill while decode waits for it.
+        "pd-2t": (f"pdserve PD, {CORES} threads each", Layout.PD, CORES, []),
+        "colocated-int8": ("pdserve colocated int8", Layout.COLOCATED, None, ["--quantization", "int8"]),
+        "pd-int8": ("pdserve PD int8", Layout.PD, None, ["--quantization", "int8"]),
     }
-    titles = {"colocated": "pdserve colocated", "colocated-2t": f"pdserve colocated, {CORES} threads",
-              "pd": "pdserve PD", "pd-2t": f"pdserve PD, {CORES} threads each",
-              "colocated-int8": "pdserve colocated int8", "pd-int8": "pdserve PD int8"}
+    title, layout, threads, flags = layouts[key]
     common = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--served-model-name", ck.name,
               "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
               "--max-num-seqs", str(SCHED["max_num_seqs"]),
               "--max-num-batched-tokens", str(SCHED["max_num_batched_tokens"]),
               "--block-size", str(SCHED["block_size"]), "--enable-prefix-caching"]
     env = {**OFFLINE_ENV, "PYTHONPATH": str(REPO), "PDSERVE_LOG_LEVEL": "WARNING"}
-    if key == "default":  # `make serve`: no flags beyond the model and the shared limits
-        return System(key, "pdserve default (PD + MTP)", "pdserve", [*common, "--model", str(ck.original)], env,
-                      f"{CORES} cores; prefill 1 thread + decode 1 thread + front end")
-    flags, budget = layouts[key]
-    return System(key, titles[key] + ", no spec", "pdserve",
-                  [*common, "--model", str(ck.path), "--speculative-method", "none", *flags], env,
-                  f"{CORES} cores; {budget}")
+    if key == "default":  # `make serve`: no flags beyond the model and the shared limits (MTP where it has one)
+        model, flags = ck.original, []
+    else:
+        model = ck.path
+        flags = ["--mode", layout, "--speculative-method", "none", *flags] + (
+            ["--num-threads", str(threads)] if threads else [])
+        title += ", no spec"
+    plan = plan_engines(layout, CORES, 1, 1, weight_bytes(model), threads)
+    engines = " + ".join(f"{n} {role}" for role, n in plan.roles)
+    budget = f"{CORES} cores; {plan.mode}: {engines} × {plan.threads} thread(s) + front end"
+    return System(key, title, "pdserve", [*common, "--model", str(model), *flags], env, budget)
 
 
 def llama_system(args: argparse.Namespace, ck: Checkpoint, key: str, gguf: Path, parallel: int) -> System:
@@ -241,8 +247,6 @@ def build_systems(args: argparse.Namespace, ck_key: str, ck: Checkpoint, wls: li
     wanted = {s for wl in wls for s in wl.systems} & set(args.systems.split(","))
     if not int8:
         wanted -= {"colocated-int8", "pd-int8"}
-    if not ck.has_mtp:
-        wanted.discard("default")
     conc = max(wl.concurrency for wl in wls)
     out: dict[str, System] = {}
     for key in sorted(wanted, key=lambda k: (not k.startswith("vllm"), k)):

@@ -149,7 +149,10 @@ def test_vllm_scheduler_flags_are_pinned_to_pdserves(tmp_path: Path) -> None:
     assert "OMP_NUM_THREADS" not in default.env and "VLLM_CPU_OMP_THREADS_BIND" not in default.env  # as a user has it
     assert both.env["VLLM_CPU_OMP_THREADS_BIND"] == f"0-{peers_fair.CORES - 1}"
     pd = peers_fair.pdserve_system(ck, "pd")
-    assert "prefill 1 thread + decode 1 thread" in pd.budget and "--max-num-batched-tokens" in pd.argv
+    assert pd.budget.startswith(f"{peers_fair.CORES} cores; pd: 1 prefill + 1 decode × ")
+    assert "--max-num-batched-tokens" in pd.argv
+    served = peers_fair.pdserve_system(ck, "default")  # `pdserve serve --model DIR`: no layout flags
+    assert "--mode" not in served.argv and "--num-threads" not in served.argv and "thread(s)" in served.budget
 
 
 def test_vllm_bench_command_and_client_cpu(tmp_path: Path) -> None:
