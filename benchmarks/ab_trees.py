@@ -4,7 +4,7 @@ A change that should not move speed (a refactor) is shown not to by running both
 session, in turns (A B, then B A, ...), so that whatever else the machine does falls on both alike.
 Each round measures, for each tree:
 
-- serving: that tree's `pdserve serve` with its defaults (the bundled model: PD + MTP) under
+- serving: that tree's `pdserve serve` with its defaults (the bundled model, MTP, its layout for this host) under
   `pdserve bench` from this checkout (the same client for both), random prompts, a fixed number of
   requests in flight, streaming, greedy, `ignore_eos`, after an unrecorded warm-up -> output tok/s,
   TTFT p50, ITL p50;
@@ -82,7 +82,7 @@ def serving(tree: Path, args: argparse.Namespace, seed: int, log: Path) -> dict[
 def spec_offline(tree: Path, args: argparse.Namespace, log: Path) -> dict[str, float]:
     """That tree's bench_spec.py: per batch, adaptive/no-spec and fixed/no-spec (medians of its rounds)."""
     argv = [sys.executable, str(tree / "benchmarks" / "bench_spec.py"), "--skip-acceptance", "--batches",
-            args.spec_batches, "--rounds", str(args.spec_rounds)]
+            args.spec_batches, "--rounds", str(args.spec_rounds), "--temperature", str(args.spec_temperature)]
     run = subprocess.run(argv, cwd=tree, env=tree_env(tree), capture_output=True, text=True, timeout=1800, check=False)
     log.write_text(run.stdout + run.stderr)
     out: dict[str, float] = {}
@@ -108,11 +108,13 @@ def report(rows: list[dict], trees: dict[str, str], args: argparse.Namespace) ->
         f"- before: `{trees['before']}` at `{tree_commit(Path(trees['before']))}`; after: `{trees['after']}` at "
         f"`{tree_commit(Path(trees['after']))}`",
         f"- {len(rows) // 2} round(s), trees alternating (A B, B A, ...); each cell: median over the rounds",
-        f"- serving: each tree's `pdserve serve` defaults (bundled model, PD + MTP), `pdserve bench` from the "
+        f"- serving: each tree's `pdserve serve` defaults (bundled model, MTP, its layout here), `pdserve bench` "
+        f"from the "
         f"after tree: {args.num_prompts} random prompts of ~{args.input_len} tokens, {args.output_len} new, "
         f"{args.concurrency} in flight, greedy, ignore_eos, after a warm-up",
         f"- offline speculation: each tree's `bench_spec.py --skip-acceptance --batches {args.spec_batches} "
-        f"--rounds {args.spec_rounds}` (1 torch thread): decode tok/s without speculation and the ratios of "
+        f"--rounds {args.spec_rounds} --temperature {args.spec_temperature:g}` (1 torch thread): decode tok/s "
+        "without speculation and the ratios of "
         "fixed K=2 and adaptive to it",
         "- noise floor: the lowest–highest of the before tree's own rounds", "",
         "| metric | before | after | after / before | before's rounds (low–high) |", "|---|---:|---:|---:|---|",
@@ -138,6 +140,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=112)
     ap.add_argument("--spec-batches", default="1,4,16")
     ap.add_argument("--spec-rounds", type=int, default=2)
+    ap.add_argument("--spec-temperature", type=float, default=0.0)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "ab.md")
     ap.add_argument("--history", type=Path, default=REPO / "benchmarks" / "results" / "ab_runs.jsonl")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp") / f"pdserve-ab-{os.getpid()}")

@@ -1,4 +1,5 @@
-"""MTP through the server: `make serve`'s default (PD + adaptive MTP) vs PD without speculation.
+"""MTP through the server: PD with adaptive MTP (`make serve` where the host has cores for both engines) vs
+PD without speculation.
 
 Two workloads, each at temperature 0 and 1, measured with `pdserve bench` on the same requests:
 - `batch1`: one request at a time, in-domain prompts (8-line openings cut from the Python standard
@@ -50,7 +51,8 @@ from benchmarks.compare import free_port, stdlib_sharegpt, wait_healthy  # noqa:
 from engine.config import DEFAULT_MODEL_DIR  # noqa: E402
 from server.procs import start_tied, stop_process_group  # noqa: E402
 
-SERVERS = {"mtp": [], "none": ["--speculative-method", "none"]}
+# PD on any host (`--mode auto` would serve colocated on a small one): what the results file has measured.
+SERVERS = {"mtp": ["--mode", "pd"], "none": ["--mode", "pd", "--speculative-method", "none"]}
 BASELINE = "baseline"  # the --baseline revision's default server
 READING = "## What it means"  # the hand-written reading of the table, kept when the table is rewritten
 

@@ -84,6 +84,20 @@ class PendingPull:
     have: Spans | None = None   # a resumed pull: what D holds already (send the rest)
 
 
+@dataclass
+class Transfer:
+    """What P knows of one transfer, from the first thing it learns of it (a layer streamed, D's
+    pull, the finished prefill) until it ends (acked, released, aborted, expired)."""
+
+    held: HeldKV | None = None         # the finished prefill's blocks, under a lease
+    pull: PendingPull | None = None    # D's pull that came before the prefill finished
+    on_stream: bool = False            # layer-wise: layers of it were published to the stream
+    first_puller: bytes | None = None  # layer-wise: the connection the stream goes to (the first pull's)
+
+    def empty(self) -> bool:
+        return self.held is None and self.pull is None and not self.on_stream and self.first_puller is None
+
+
 def consecutive_runs(block_ids: list[int]) -> list[tuple[int, int]]:
     """[(first block, count)] for each run of consecutive ids, in order."""
     runs: list[tuple[int, int]] = []
@@ -150,8 +164,6 @@ class KVSender:
         # Layer-wise: the stream thread owns the ROUTER from here on; this thread talks through it.
         self.streamer = LayerStreamer(ctx, router, name, checksum, MAX_FRAME_BYTES) if layerwise else None
         self.socket = self.streamer.engine_socket if self.streamer else router
-        self.streams: set[Key] = set()            # transfers with layers on the stream
-        self.first_puller: dict[Key, bytes] = {}  # layer-wise: the connection the stream goes to
         self.kv_cache = kv_cache
         self.draft_layers = draft_layers
         self.compat_hash, self.description, self.name = compat_hash, description, name
@@ -161,8 +173,7 @@ class KVSender:
         self.checksum = checksum
         self.compare = compare
         self.peers: set[bytes] = set()   # authenticated D identities
-        self.held: dict[Key, HeldKV] = {}
-        self.pulls: dict[Key, PendingPull] = {}  # pulls that arrived before the prefill finished
+        self.transfers: dict[Key, Transfer] = {}
         self.ended: OrderedDict[Key, str] = OrderedDict()  # why a transfer ended, for late pulls
         self.stats = TransferStats()
 
@@ -180,12 +191,11 @@ class KVSender:
         key = (req_id, transfer_id)
         held = HeldKV(req_id, block_ids, num_tokens, t0, self.clock() + self.lease_s, transfer_id, hidden=hidden,
                       prefill_done_time=prefill_done_time)
-        self.held[key] = held
-        pull = self.pulls.pop(key, None)
+        transfer = self.transfers.setdefault(key, Transfer())
+        pull, transfer.held, transfer.pull = transfer.pull, held, None
         if pull is not None:
             held.requester = pull.requester
-        if key in self.streams and (pull is None or (pull.requester == self.first_puller.get(key)
-                                                     and pull.have is None)):
+        if transfer.on_stream and (pull is None or (pull.requester == transfer.first_puller and pull.have is None)):
             self._complete_stream(held)  # D gets it on the stream's route, as soon as that is known
         elif pull is not None:
             self._send(held, pull.have)
@@ -196,7 +206,7 @@ class KVSender:
         [start, end) of `layer` is written; queue it for the stream (never blocks)."""
         assert self.streamer is not None, "publish_layer needs a layer-wise sender"
         key = (req_id, transfer_id)
-        self.streams.add(key)
+        self.transfers.setdefault(key, Transfer()).on_stream = True
         self.streamer.submit(LayerJob(key, layer, start, end, num_tokens, kv, ready))
 
     def end_stream(self, req_id: str, transfer_id: str) -> None:
@@ -206,14 +216,15 @@ class KVSender:
     def supersede(self, req_id: str, transfer_id: str, pulls: bool = True) -> None:
         """A new attempt `transfer_id` of `req_id` is ours now (its Submit arrived): release any older
         one at once — its blocks, and D's pending pull for it, which this P will never serve."""
-        keys = [*self.held, *self.pulls] if pulls else list(self.held)
+        keys = [k for k, t in self.transfers.items() if t.held is not None or (pulls and t.pull is not None)]
         for key in [k for k in keys if k[0] == req_id and k[1] != transfer_id]:
             self._end(key, f"superseded by a newer attempt of request {req_id}")
 
     def drop(self, req_id: str, reason: str, transfer_id: str | None = None) -> None:
         """Abort from the server (of one attempt, or of every attempt when transfer_id is None):
         tell D (if it asked) and free."""
-        keys = {k for k in (*self.held, *self.pulls) if k[0] == req_id and transfer_id in (None, k[1])}
+        keys = [k for k, t in self.transfers.items() if (t.held is not None or t.pull is not None)
+                and k[0] == req_id and transfer_id in (None, k[1])]
         for key in keys:
             self._end(key, reason)
 
@@ -259,9 +270,8 @@ class KVSender:
             self._on_pull(identity, (msg.req_id, msg.transfer_id), msg.have if msg.resume else None)
         elif isinstance(msg, m.KVAck):
             self._release((msg.req_id, msg.transfer_id))
-        elif isinstance(msg, m.Release):
-            self.pulls.pop((msg.req_id, msg.transfer_id), None)
-            self._release((msg.req_id, msg.transfer_id))
+        elif isinstance(msg, m.Release):  # also withdraws a pull that waits for the prefill
+            self._release((msg.req_id, msg.transfer_id), withdraw=True)
         elif isinstance(msg, m.KeepAlive):
             self._on_keepalive(identity, msg)
         else:
@@ -270,23 +280,28 @@ class KVSender:
     def _on_pull(self, identity: bytes, key: Key, have: Spans | None = None) -> None:
         """`have` (a resumed pull, else None): what D already holds of the transfer."""
         now = self.clock()
-        held = self.held.get(key)
+        transfer = self.transfers.get(key)
+        held = transfer.held if transfer else None
         if held is None:
             if key in self.ended:  # it ended here already: say so now, not at D's deadline
                 self._send_msg(identity, m.KVError(key[0], self.ended[key], key[1]))
                 return
-            if self.streamer is not None:
-                self.first_puller.setdefault(key, identity)  # the stream thread routes by the same rule
-            earlier = self.pulls.get(key)
+            transfer = self.transfers.setdefault(key, Transfer())
+            if self.streamer is not None and transfer.first_puller is None:
+                transfer.first_puller = identity  # the stream thread routes by the same rule
+            earlier = transfer.pull
             if have is None and earlier is not None and earlier.have is not None:
                 have = earlier.have  # still a resumed pull (a KeepAlive-era duplicate changes nothing)
-            self.pulls[key] = PendingPull(identity, now + self.lease_s, have)
+            transfer.pull = PendingPull(identity, now + self.lease_s, have)
             return
+        assert transfer is not None
         # A resumed pull, or a pull from a new connection (D re-handshaked after a reconnect): what
         # went to the old connection may be lost, so send again what D does not hold.
         resend = have is not None or (held.sent and held.requester != identity)
         if held.streamed and have is None:  # the stream follows the first pull; only another connection resends
-            resend = identity != self.first_puller.setdefault(key, identity)
+            if transfer.first_puller is None:
+                transfer.first_puller = identity
+            resend = identity != transfer.first_puller
         held.requester = identity
         held.deadline = now + self.lease_s
         if resend and (held.sent or held.streamed):
@@ -301,10 +316,11 @@ class KVSender:
         tids = msg.transfer_ids if len(msg.transfer_ids) == len(msg.req_ids) else [""] * len(msg.req_ids)
         pending: list[Key] = []
         for key in zip(msg.req_ids, tids):
-            if key in self.held:
-                self.held[key].deadline = now + self.lease_s
-            elif key in self.pulls:
-                self.pulls[key].deadline = now + self.lease_s
+            transfer = self.transfers.get(key)
+            if transfer is not None and transfer.held is not None:
+                transfer.held.deadline = now + self.lease_s
+            elif transfer is not None and transfer.pull is not None:
+                transfer.pull.deadline = now + self.lease_s
                 pending.append(key)
             elif key in self.ended:  # D missed our KVError (or it was sent before D asked)
                 self._send_msg(identity, m.KVError(key[0], self.ended[key], key[1]))
@@ -418,23 +434,34 @@ class KVSender:
         return held.hidden.shape[0], str(held.hidden.dtype).removeprefix("torch.")
 
     def _forget(self, key: Key) -> None:
-        """The transfer is over here: drop its layer-wise state (and what the stream still holds)."""
-        self.first_puller.pop(key, None)
-        self.streams.discard(key)
+        """The transfer's stream is over here: drop its layer-wise state (and what the stream still holds)."""
+        transfer = self.transfers.get(key)
+        if transfer is not None:
+            transfer.on_stream, transfer.first_puller = False, None
+            if transfer.empty():
+                del self.transfers[key]
         if self.streamer is not None:  # also when nothing was streamed: its route may be known there
             self.streamer.forget(key)
 
-    def _release(self, key: Key) -> None:
+    def _release(self, key: Key, withdraw: bool = False) -> None:
+        """D is done with the transfer: free its blocks (`withdraw`: and drop its waiting pull)."""
         self._forget(key)
-        held = self.held.pop(key, None)
+        transfer = self.transfers.get(key)
+        if transfer is None:
+            return
+        held, transfer.held = transfer.held, None
+        if withdraw:
+            transfer.pull = None
+        if transfer.empty():
+            del self.transfers[key]
         if held is not None:
             self.release_blocks(held.req_id, held.block_ids)
 
     def _end(self, key: Key, reason: str) -> None:
         """The transfer cannot be served any more: free its blocks, tell D if it asked, remember why."""
         self._forget(key)
-        held = self.held.pop(key, None)
-        pull = self.pulls.pop(key, None)
+        transfer = self.transfers.pop(key, None) or Transfer()
+        held, pull = transfer.held, transfer.pull
         requester = held.requester if held else (pull.requester if pull else None)
         if requester is not None:
             self._send_msg(requester, m.KVError(key[0], reason, key[1]))
@@ -452,12 +479,12 @@ class KVSender:
 
     def _expire(self) -> None:
         now = self.clock()
-        for key in [k for k, h in self.held.items() if h.deadline < now]:
+        for key, held in [(k, t.held) for k, t in self.transfers.items() if t.held and t.held.deadline < now]:
             self.stats.leases_expired += 1
             logger.warning("KV lease of %s expired (decode peer silent): freeing %d blocks", key[0],
-                           len(self.held[key].block_ids))
+                           len(held.block_ids))
             self._end(key, f"the KV lease on prefill {self.name} expired after {self.lease_s:g} s")
-        for key in [k for k, p in self.pulls.items() if p.deadline < now]:
+        for key in [k for k, t in self.transfers.items() if t.pull and t.pull.deadline < now]:
             self._end(key, f"prefill {self.name} never had the KV within {self.lease_s:g} s")
 
     def counters(self) -> dict[str, float]:

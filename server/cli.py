@@ -32,10 +32,10 @@ from engine.config import (
     default_max_model_len,
     default_model,
 )
-from engine.grammar import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_GRAMMAR_BYTES
 from engine.types import EngineRole, ServeMode
 from server.allocator import engine_env, reexec_with_tcmalloc
 from server.flags import add_flag, add_flags, from_args, to_argv
+from server.front_end_config import FrontEndConfig
 from server.layout import Layout, plan_engines, weight_bytes
 from server.openmp import openmp_env
 from server.procs import start_tied
@@ -94,20 +94,20 @@ def run_front_end(args: argparse.Namespace, bind_addr: str, mode: str, cluster_k
     from server.limits import HTTPLimits, raise_open_files_limit
     from server.pd_client import RemoteEngineClient
 
+    fe = from_args(FrontEndConfig, args)
     model = args.model or default_model()
     model_cfg = ModelConfig.from_dir(model)
     max_model_len = args.max_model_len or default_max_model_len(model_cfg)
     client = RemoteEngineClient(bind_addr, mode, max_model_len, model_cfg.vocab_size, model_cfg.eos_token_ids,
-                                dead_after_s=args.dead_after_s, max_resumes=args.max_resumes,
-                                resume_wait_s=args.resume_wait_s, local_prefill_above=args.local_prefill_above,
-                                stall_dead_after_s=args.stall_dead_after_s, cluster_key=cluster_key,
+                                dead_after_s=fe.dead_after_s, max_resumes=fe.max_resumes,
+                                resume_wait_s=fe.resume_wait_s, local_prefill_above=fe.local_prefill_above,
+                                stall_dead_after_s=fe.stall_dead_after_s, cluster_key=cluster_key,
                                 extra_counters=extra_counters)
     raise_open_files_limit()
-    limits = from_args(HTTPLimits, args)
-    app = build_app(client, load_tokenizer(model), args.served_model_name or Path(model).name,
-                    api_key=args.api_key or None, grammar_timeout_s=args.grammar_timeout_s,
-                    max_grammar_bytes=args.max_grammar_bytes, limits=limits)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+    app = build_app(client, load_tokenizer(model), fe.served_model_name or Path(model).name,
+                    api_key=fe.api_key or None, grammar_timeout_s=fe.grammar_timeout_s,
+                    max_grammar_bytes=fe.max_grammar_bytes, limits=from_args(HTTPLimits, args))
+    config = uvicorn.Config(app, host=fe.host, port=fe.port, log_level="warning", timeout_graceful_shutdown=2)
     asyncio.run(uvicorn.Server(config).serve())
 
 
@@ -237,32 +237,10 @@ def add_keygen(sub) -> None:
 
 
 def add_front_end_flags(p: argparse.ArgumentParser) -> None:
-    add_flag(p, "--host", str, "127.0.0.1", "HTTP host")
-    add_flag(p, "--port", int, 8000, "HTTP port")
-    add_flag(p, "--api-key", str, "", "require Authorization: Bearer KEY on /v1/* (several keys: KEY1,KEY2)")
-    add_limit_flags(p)
-    add_flag(p, "--served-model-name", str, None, "model name in the API (default: the folder name)")
-    add_flag(p, "--dead-after-s", float, 3.0, "declare an engine dead after this long without a heartbeat (sent by a "
-             "thread of the engine every 0.2 s, whatever its step costs)")
-    add_flag(p, "--stall-dead-after-s", float, 900.0, "declare an engine dead when one of its steps has run this "
-             "long (a stall, far longer than its recent steps, is reported on /status and /metrics before that)")
-    add_flag(p, "--max-resumes", int, 3, "failover: resume a request whose engine died mid-stream at most this "
-             "many times (0: off; the stream then ends with an error)")
-    add_flag(p, "--resume-wait-s", float, 20.0, "failover: wait this long for a live instance of a role a "
-             "failed request needs, then end its stream with an error")
-    add_flag(p, "--grammar-timeout-s", float, DEFAULT_GRAMMAR_TIMEOUT_S, "structured output: a grammar (JSON schema, "
-             "tool call) that does not compile within this long is refused with a 400 (compiled off the event loop)")
-    add_flag(p, "--max-grammar-bytes", int, DEFAULT_MAX_GRAMMAR_BYTES, "structured output: a larger grammar is "
-             "refused with a 400 before it is compiled")
-    add_flag(p, "--local-prefill-above", int, 1024, "PD: prefill a request on its decode instance when the "
-             "prefill instance already has more than this many prompt tokens queued (0: always on prefill)")
-
-
-def add_limit_flags(p: argparse.ArgumentParser) -> None:
-    """Bounds on clients (server/limits.py: why each default is far from what a fair client needs)."""
     from server.limits import HTTPLimits
 
-    add_flags(p, HTTPLimits)
+    add_flags(p, FrontEndConfig)
+    add_flags(p, HTTPLimits)  # bounds on clients (server/limits.py: why each default is far from a fair client's)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,7 +19,7 @@ from engine.process import EngineProcess
 from engine.types import SamplingParams
 from kv_transfer import messages as m
 from kv_transfer.receiver import KVReceiver
-from kv_transfer.sender import frames_checksum
+from kv_transfer.sender import KVSender, frames_checksum
 from server.pd_client import RemoteEngineClient
 
 VOCAB = 384  # the random checkpoints' vocabulary (conftest.make_checkpoint)
@@ -67,6 +67,21 @@ class JumpClock:
 
 
 # -- a sender and a receiver driven from the test's thread ---------------------------------------
+
+
+def held(sender: KVSender) -> dict:
+    """The transfers P holds finished KV of, by key."""
+    return {k: t.held for k, t in sender.transfers.items() if t.held is not None}
+
+
+def pulls(sender: KVSender) -> dict:
+    """D's pulls that wait on P for the prefill to finish, by key."""
+    return {k: t.pull for k, t in sender.transfers.items() if t.pull is not None}
+
+
+def streaming(sender: KVSender) -> set:
+    """The transfers with layers published to P's stream."""
+    return {k for k, t in sender.transfers.items() if t.on_stream}
 
 
 def pump(*parties, until: Callable[[list, list], object] = lambda done, failed: done or failed,

@@ -14,7 +14,7 @@ import pytest
 import torch
 import zmq
 from conftest import random_prompts
-from kv_harness import VOCAB, FakeClock, JumpClock, greedy, kv_shape, pd_pair, pump
+from kv_harness import VOCAB, FakeClock, JumpClock, greedy, held, kv_shape, pd_pair, pulls, pump
 from pd_harness import generate_all, wait_blocks_free, wait_until
 
 from engine.config import KVTransferConfig
@@ -131,7 +131,7 @@ def test_prefill_lease_expiry_reaches_decode_as_a_clear_error(checkpoints, tmp_p
 
         async def scenario():
             task = asyncio.ensure_future(generate_all(pd.client, [[5, 6, 7, 8, 9]], GREEDY, timeout=60))
-            await asyncio.to_thread(wait_until, lambda: sender.held and waiting_for_blocks(pd.decode.connector), 30,
+            await asyncio.to_thread(wait_until, lambda: held(sender) and waiting_for_blocks(pd.decode.connector), 30,
                                     "P to hold the KV and D to wait for memory")
             clock.advance(LONG_S + 1)  # P's lease runs out meanwhile
             await asyncio.to_thread(wait_until, lambda: sender.stats.leases_expired == 1, 30, "P's lease to expire")
@@ -156,24 +156,24 @@ def test_lease_expiry_is_sent_to_a_decode_that_already_asked(tmp_path: Path):
     receiver = KVReceiver(ctx, torch.zeros(SHAPE), "h", "{}", "decode-0", deadline_s=60.0)
     try:
         receiver.start("r1", sender.address, [0, 1], "t1", num_tokens=8)
-        pump(sender, receiver, until=lambda d, f: ("r1", "t1") in sender.pulls)
+        pump(sender, receiver, until=lambda d, f: ("r1", "t1") in pulls(sender))
         # D stalls (no polls, so no KeepAlive) past P's lease: P's pending pull ends with an error.
         clock.advance(0.29)
         sender.poll()
-        assert ("r1", "t1") in sender.pulls and sender.stats.leases_expired == 0  # not before the lease
+        assert ("r1", "t1") in pulls(sender) and sender.stats.leases_expired == 0  # not before the lease
         clock.advance(0.02)
         sender.poll()
-        assert ("r1", "t1") not in sender.pulls and ("r1", "t1") in sender.ended
+        assert ("r1", "t1") not in pulls(sender) and ("r1", "t1") in sender.ended
         _, failed = pump(receiver)
         assert [f.req_id for f in failed] == ["r1"] and failed[0].retryable and "prefill" in failed[0].reason
         # A finished prefill arriving after that is for an attempt that already ended: it is held
         # under its own lease and freed on expiry, never sent.
         sender.hold("r1", [0, 1], 8, 3, "t1")
         sender.poll()
-        assert not released and sender.held  # held until its own lease ends
+        assert not released and held(sender)  # held until its own lease ends
         clock.advance(0.31)
         sender.poll()
-        assert released == ["r1"] and not sender.held
+        assert released == ["r1"] and not held(sender)
     finally:
         sender.close()
         receiver.close()

@@ -15,7 +15,7 @@ import uuid
 import msgspec
 import zmq
 from conftest import random_prompts
-from kv_harness import VOCAB, greedy, pd_pair
+from kv_harness import VOCAB, greedy, held, pd_pair, pulls
 from pd_harness import generate_all, wait_blocks_free, wait_until
 
 from engine import messages as em
@@ -194,6 +194,6 @@ def flood_prefill(ctx: zmq.Context, prefill, rng: random.Random, fuzz: Fuzzer) -
             wait_until(lambda: sender.stats.dropped_frames - before >= n[0], 20, f"P to take batch {batch}",
                        interval=0.01)
         assert sender.stats.dropped_frames - before == n[0]
-        assert not sender.held and not sender.pulls
+        assert not held(sender) and not pulls(sender)
     finally:
         attacker.close(0)

@@ -8,7 +8,7 @@ import time
 
 import torch
 from conftest import random_prompts
-from kv_harness import VOCAB, greedy
+from kv_harness import VOCAB, greedy, held, pulls
 from pd_harness import (
     ThreadedEngines,
     client_for,
@@ -51,10 +51,10 @@ def install_stall(proc, state: dict) -> None:
                 state["stalled"] = proc.name
         if first:
             deadline = time.monotonic() + 10
-            while not sender.pulls and time.monotonic() < deadline:  # D's PullKV: pump our own port
+            while not pulls(sender) and time.monotonic() < deadline:  # D's PullKV: pump our own port
                 sender.poll()
                 time.sleep(0.005)
-            state["pulled"] = bool(sender.pulls)
+            state["pulled"] = bool(pulls(sender))
             state["stalling"].set()
             state["release"].wait(60)
         return execute(sched)
@@ -110,7 +110,7 @@ def test_retry_race_decode_takes_only_the_retry(checkpoints, references, tmp_pat
             wait_until(lambda: stats.dropped_unexpected >= 1, 10, "D to drop P1's late messages")
             assert stats.transfers_received == 3 and stats.transfers_failed == 0
             run(wait_blocks_free(client, timeout=10))
-            wait_until(lambda: all(not p.connector.sender.held for p in prefills), 5, "no KV held on any P")
+            wait_until(lambda: all(not held(p.connector.sender) for p in prefills), 5, "no KV held on any P")
             wait_until(lambda: client.instances() and all(
                 i.counters.get("kv_transfer_dropped_unexpected") == stats.dropped_unexpected
                 for i in client.instances() if i.name == "decode-0"), 5, "the heartbeat to carry the counter")
@@ -166,15 +166,15 @@ def test_prefill_frees_an_old_attempt_as_soon_as_it_learns_of_the_new_one(tmp_pa
     receiver = KVReceiver(ctx, torch.zeros(shape), "h", "{}", "decode-0")
     try:
         receiver.start("r", sender.address, [0, 1], "t1", 8)
-        wait_until(lambda: (sender.poll(), receiver.poll(), ("r", "t1") in sender.pulls)[-1], 5, "t1's pull")
+        wait_until(lambda: (sender.poll(), receiver.poll(), ("r", "t1") in pulls(sender))[-1], 5, "t1's pull")
         sender.supersede("r", "t2")  # the retry's Submit reached P before t1 finished: only the pull to end
-        assert ("r", "t1") not in sender.pulls and ("r", "t1") in sender.ended
+        assert ("r", "t1") not in pulls(sender) and ("r", "t1") in sender.ended
         failed = []
         wait_until(lambda: failed.extend(receiver.poll()[1]) or failed, 5, "D to hear t1 is over")
         assert failed[0].req_id == "r" and "superseded by a newer attempt" in failed[0].reason, failed
         sender.hold("r", [2, 3], 8, 5, "t1")   # t1's prefill finishing late is held under its own key...
         sender.supersede("r", "t2")           # ...and freed as soon as t2 is known
-        assert released == [[2, 3]] and not sender.held
+        assert released == [[2, 3]] and not held(sender)
     finally:
         sender.close()
         receiver.close()

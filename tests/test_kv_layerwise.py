@@ -12,7 +12,7 @@ import pytest
 import torch
 import zmq
 from conftest import random_prompts
-from kv_harness import VOCAB, FakePrefill, greedy, kv_shape, layer_message, pd_pair, pump
+from kv_harness import VOCAB, FakePrefill, greedy, held, kv_shape, layer_message, pd_pair, pulls, pump, streaming
 from pd_harness import ThreadedEngines, generate_all, wait_blocks_free, wait_until
 
 from engine import messages as em
@@ -49,7 +49,7 @@ def assert_nothing_left(prefill) -> None:
     """Every transfer's state on P is gone once its blocks are: no per-request leak anywhere."""
     sender = prefill.connector.sender
     assert not prefill.connector.handoffs and not prefill.core.runner.kv_tap.reported
-    assert not (sender.streams or sender.first_puller or sender.held or sender.pulls)
+    assert not sender.transfers
     if sender.streamer is not None:  # the stream thread's own tables (it forgets on the engine's word)
         wait_until(lambda: not (sender.streamer.routes or sender.streamer.waiting), 5, "the stream to forget")
 
@@ -149,7 +149,7 @@ def test_partial_stream_ends_in_the_failure_path_with_every_block_back(checkpoin
         results = run(generate_all(client, random_prompts(2, 20, 60, VOCAB, 154), GREEDY, timeout=60))
         assert all(r["finish_reason"] == "error" and "timed out" in r["error"] for r in results), results
         run(wait_blocks_free(client, timeout=10))
-        assert not decode.connector.receiver.pulls and not prefill.connector.sender.held
+        assert not decode.connector.receiver.pulls and not held(prefill.connector.sender)
         assert decode.connector.receiver.stats.layers_received > 0
 
 
@@ -224,7 +224,7 @@ def test_decode_vanishing_mid_stream_leaves_nothing_held_on_prefill(checkpoints,
         assert core.stats().kv_blocks_free < core.stats().kv_blocks_total  # held under the lease
         wait_until(lambda: core.stats().kv_blocks_free == core.stats().kv_blocks_total, 5,
                    "prefill to free the blocks after the lease expired")
-        assert prefill.connector.sender.stats.leases_expired == 1 and not prefill.connector.sender.streams
+        assert prefill.connector.sender.stats.leases_expired == 1 and not streaming(prefill.connector.sender)
     finally:
         engines.stop()
         for s in (front, fake_d):
@@ -312,7 +312,7 @@ def test_sender_streams_layers_queued_before_and_after_the_pull(tmp_path):
         while not released and time.monotonic() < wait:  # D's ack frees P's blocks
             sender.poll()
             time.sleep(0.01)
-        assert released == [blocks] and not sender.held and not sender.streams
+        assert released == [blocks] and not held(sender) and not streaming(sender)
     finally:
         sender.close()
         receiver.close()
@@ -332,19 +332,19 @@ def test_a_pull_from_a_new_connection_gets_the_whole_transfer_and_p_death_ends_i
     n, blocks = 8, [0, 1]
     try:
         first.start("r", sender.address, blocks, "t", n)
-        pump(first, until=lambda d, f: (sender.poll(), ("r", "t") in sender.pulls)[-1])
+        pump(first, until=lambda d, f: (sender.poll(), ("r", "t") in pulls(sender))[-1])
         sender.publish_layer("r", "t", 0, 0, n, n, src[0].reshape(2, -1, *SHAPE[4:])[:, :n].clone())
         pump(first, until=lambda d, f: first.stats.layers_received == 1)
         second.start("r", sender.address, blocks, "t", n)  # the same transfer, from a new connection
-        pump(second, until=lambda d, f: (sender.poll(), ("r", "t") in sender.pulls)[-1] and
-                   sender.pulls[("r", "t")].requester != sender.first_puller[("r", "t")])
+        pump(second, until=lambda d, f: (sender.poll(), ("r", "t") in pulls(sender))[-1] and
+                   pulls(sender)[("r", "t")].requester != sender.transfers[("r", "t")].first_puller)
         sender.hold("r", blocks, n, 4, "t")
         done, _ = pump(second, until=lambda d, f: (sender.poll(), d)[-1])
         assert done[0].t0 == 4 and second.stats.layers_received == 0  # the whole transfer, in one message
         assert torch.equal(dst[:, :, :2], src[:, :, :2])
 
         second.start("r2", sender.address, [2, 3], "t", n)
-        pump(second, until=lambda d, f: (sender.poll(), ("r2", "t") in sender.pulls)[-1])
+        pump(second, until=lambda d, f: (sender.poll(), ("r2", "t") in pulls(sender))[-1])
         sender.publish_layer("r2", "t", 0, 0, 4, n, src[0].reshape(2, -1, *SHAPE[4:])[:, :4].clone())
         pump(second, until=lambda d, f: second.stats.layers_received == 1)
         sender.close()  # P dies with the stream half sent

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 import zmq
-from kv_harness import FakeClock, FakePrefill, kv_shape, layer_message, pump, settle
+from kv_harness import FakeClock, FakePrefill, held, kv_shape, layer_message, pulls, pump, settle
 from tcp_relay import TcpRelay
 
 from kv_transfer import messages as m
@@ -37,11 +37,11 @@ def test_a_long_prefill_queue_is_progress_and_the_lease_follows_the_pull(ctx, tm
     receiver = KVReceiver(ctx, torch.zeros(SHAPE), "h", "{}", "decode-0", deadline_s=2.0, clock=clock)
     try:
         receiver.start("r", sender.address, [0, 1], "t", 8)
-        pump(sender, receiver, until=lambda d, f: ("r", "t") in sender.pulls)
+        pump(sender, receiver, until=lambda d, f: ("r", "t") in pulls(sender))
         for _ in range(12):  # 18 s of fake time: 9 no-progress bounds, 6 leases
             clock.advance(1.5)
             _, failed = settle(receiver, sender, receiver)
-            assert not failed and "r" in receiver.pulls and ("r", "t") in sender.pulls
+            assert not failed and "r" in receiver.pulls and ("r", "t") in pulls(sender)
         sender.hold("r", [0, 1], 8, 5, "t")
         done, _ = pump(sender, receiver, until=lambda d, f: d)
         assert done[0].req_id == "r" and receiver.stats.transfers_stalled == 0
@@ -192,7 +192,7 @@ def test_layerwise_lease_is_renewed_while_decode_waits_then_the_rest_is_resumed(
     n, blocks = 8, [0, 1]
     try:
         receiver.start("r", sender.address, blocks, "t", n)
-        pump(sender, receiver, until=lambda d, f: ("r", "t") in sender.pulls)
+        pump(sender, receiver, until=lambda d, f: ("r", "t") in pulls(sender))
         sender.publish_layer("r", "t", 0, 0, n, n, src[0].reshape(2, -1, *SHAPE[4:])[:, :n].clone())
         sender.hold("r", blocks, n, 4, "t")
         pump(sender, receiver, until=lambda d, f: receiver.pulls["r"].layers_done is not None)
@@ -200,7 +200,7 @@ def test_layerwise_lease_is_renewed_while_decode_waits_then_the_rest_is_resumed(
         for _ in range(4):  # 4 s of fake time against a 2 s lease, less than RESUME_AFTER_S
             clock.advance(1.1)
             settle(receiver, sender, receiver)
-            assert ("r", "t") in sender.held and sender.stats.leases_expired == 0
+            assert ("r", "t") in held(sender) and sender.stats.leases_expired == 0
         done: list = []
         while not done and clock.now < start + 3 * RESUME_AFTER_S:  # KeepAlives go on renewing the lease
             clock.advance(1.1)
@@ -208,7 +208,7 @@ def test_layerwise_lease_is_renewed_while_decode_waits_then_the_rest_is_resumed(
         assert sender.stats.leases_expired == 0
         assert done[0].req_id == "r" and torch.equal(dst[:, :, :2], src[:, :, :2])
         assert receiver.stats.layers_received == 3 and sender.stats.transfers_resumed == 1
-        pump(sender, until=lambda d, f: not sender.held)  # D's ack frees P's blocks
+        pump(sender, until=lambda d, f: not held(sender))  # D's ack frees P's blocks
         counters = sender.counters()
         assert counters["kv_transfer_bytes_sent"] == receiver.stats.bytes_received
     finally:
@@ -229,14 +229,14 @@ def test_bytes_sent_equal_bytes_received_hidden_states_included(ctx, tmp_path, m
     n, blocks = 10, [0, 1, 2]
     try:
         receiver.start("r", sender.address, blocks, "t", n)
-        pump(sender, receiver, until=lambda d, f: ("r", "t") in sender.pulls)
+        pump(sender, receiver, until=lambda d, f: ("r", "t") in pulls(sender))
         if mode == "layerwise":
             for layer in range(2):
                 sender.publish_layer("r", "t", layer, 0, n, n, src[layer].reshape(2, -1, *SHAPE[4:])[:, :n].clone())
         sender.hold("r", blocks, n, 4, "t", hidden)
         done, _ = pump(sender, receiver, until=lambda d, f: d)
         assert torch.equal(done[0].hidden, hidden)
-        pump(sender, until=lambda d, f: not sender.held)
+        pump(sender, until=lambda d, f: not held(sender))
         assert sender.counters()["kv_transfer_bytes_sent"] == receiver.stats.bytes_received > hidden.nbytes
         assert receiver.stats.latency_seconds_count == 1
     finally:
@@ -274,7 +274,7 @@ def test_a_transfer_broken_by_a_reconnect_resumes_from_what_landed(ctx, monkeypa
     whole = 3 * n * 2 * 2 * 8 * 4  # layers x positions x K/V x heads x dim x 4 bytes
     try:
         receiver.start("r", f"tcp://127.0.0.1:{relay.port}", blocks, "t", n)
-        pump(sender, receiver, until=lambda d, f: ("r", "t") in sender.pulls)
+        pump(sender, receiver, until=lambda d, f: ("r", "t") in pulls(sender))
         sender.hold("r", blocks, n, 5, "t")
         pump(sender, receiver, until=lambda d, f: relay.budget <= 0)
         settle(sender, receiver)
@@ -305,7 +305,7 @@ def test_the_stream_splits_a_layer_larger_than_a_frame(ctx, tmp_path, monkeypatc
     n, blocks = 10, [0, 1, 2]
     try:
         receiver.start("r", sender.address, blocks, "t", n)
-        pump(sender, receiver, until=lambda d, f: ("r", "t") in sender.pulls)
+        pump(sender, receiver, until=lambda d, f: ("r", "t") in pulls(sender))
         for layer in range(3):
             sender.publish_layer("r", "t", layer, 0, n, n, src[layer].reshape(2, -1, *SHAPE[4:])[:, :n].clone())
         sender.hold("r", blocks, n, 4, "t")
