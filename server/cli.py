@@ -166,7 +166,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
     cluster_key, env_key = serve_cluster_key(run_dir)
     plan = plan_engines(args.mode, len(os.sched_getaffinity(0)), args.num_prefill, args.num_decode,
                         weight_bytes(args.model or default_model()), args.num_threads)
-    threads = plan.threads
     role_threads = {EngineRole.PREFILL: args.prefill_threads} if args.prefill_threads else {}
     supervisor = Supervisor()  # restarts an engine that exits unexpectedly
     # Engine health ports are for engines deployed one per container; here every child would
@@ -175,15 +174,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
     cores = sorted(os.sched_getaffinity(0))
     for role, count in plan.roles:
         for i in range(count):
-            argv = child_argv(args, role, f"{role}-{i}", server_addr, run_dir, role_threads.get(role, threads))
-            cpus = engine_cpus(len(supervisor.children), threads, cores) if args.cpu_affinity == "pin" else None
+            argv = child_argv(args, role, f"{role}-{i}", server_addr, run_dir, role_threads.get(role, plan.threads))
+            cpus = engine_cpus(len(supervisor.children), plan.threads, cores) if args.cpu_affinity == "pin" else None
             supervisor.add(f"{role}-{i}", lambda argv=argv, cpus=cpus: start_child(argv, env, cpus))
     supervisor.start()
 
     signal.signal(signal.SIGTERM, lambda *_: (supervisor.stop(), sys.exit(0)))
     url = f"http://{args.host}:{args.port}"
     print(f"pdserve: {plan.mode} mode ({plan.why}), {', '.join(f'{n} x {r}' for r, n in plan.roles)}, "
-          f"{threads} threads each; serving on {url}; "
+          f"{plan.threads} threads each; serving on {url}; "
           f"engines connect to {server_addr}" + (" with a fresh cluster key" if env_key else "") + "\n"
           f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, \"temperature\": 0}}'", flush=True)

@@ -44,10 +44,6 @@ class EnginePlan:
     threads: int  # torch threads per engine
     why: str  # for the banner: how the layout was chosen
 
-    @property
-    def engines(self) -> int:
-        return sum(n for _, n in self.roles)
-
 
 def weight_bytes(model_dir: str | Path) -> int:
     """The checkpoint's weight bytes as stored (every *.safetensors file of the folder)."""
