@@ -108,6 +108,7 @@ class EngineRouter:
             logger.warning("no cluster key (PDSERVE_CLUSTER_KEY_FILE): the engine socket %s takes any process "
                            "that connects, so it may only listen on loopback or ipc", self.bind_addr)
         self.router.bind(self.bind_addr)
+        self.address = self.router.getsockopt_string(zmq.LAST_ENDPOINT)  # with the port where bind_addr said 0
         pipe = f"inproc://router-{uuid.uuid4().hex}"
         self._out, self._out_far = self.ctx.socket(zmq.PAIR), self.ctx.socket(zmq.PAIR)
         for sock in (self._out, self._out_far):

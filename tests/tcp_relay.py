@@ -17,7 +17,9 @@ READ = 1 << 16
 class TcpRelay:
     """Connections to 127.0.0.1:`self.port` are relayed to 127.0.0.1:`target_port`, both ways.
     `captured`: every byte forwarded, both ways. `budget`: how many bytes the target may send, over
-    all connections, before the rest is left in its sockets (None: no limit) until `sever()`."""
+    all connections, before the rest is left in its sockets (None: no limit) until `sever()`.
+    `target` may be set after the relay starts (a target bound to port 0): until then a client's
+    connection is closed at once, as if nothing listened, and the client dials again."""
 
     def __init__(self, target_port: int, budget: int | None = None) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))

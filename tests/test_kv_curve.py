@@ -10,7 +10,7 @@ import pytest
 import zmq
 from conftest import random_prompts
 from kv_harness import VOCAB, greedy
-from pd_harness import ThreadedEngines, client_for, free_port, generate_all, running_client, wait_ready, wait_until
+from pd_harness import ThreadedEngines, client_for, generate_all, running_client, wait_ready, wait_until
 from tcp_relay import TcpRelay
 
 from engine import messages as em
@@ -23,26 +23,34 @@ GREEDY = greedy(8)
 KV_KEY = "kv-port-shared-key-0123456789"
 
 
+def port_of(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
 def run_pd_over_taps(model: str, tmp_path, key: ClusterKey | None, prompt: list[int], checks=None):
     """P and D (threads) reach the front end and each other over tapped loopback TCP. Returns the
     result and the captured bytes; `checks(client, prefill, fe_port)` runs while all is up."""
-    fe_port, kv_port = free_port(), free_port()
-    fe_tap, kv_tap = TcpRelay(fe_port), TcpRelay(kv_port)
+    # Every port is bound as :0 and the taps are pointed at what was bound: a port picked free
+    # and bound later can meanwhile become the local port of an outgoing connection (the engines
+    # dialling a tap), and the bind then fails.
+    fe_tap, kv_tap = TcpRelay(target_port=0), TcpRelay(target_port=0)
     engines = ThreadedEngines(tmp_path)
     engines.server_addr = f"tcp://127.0.0.1:{fe_tap.port}"
     common = dict(model=model, max_model_len=256, num_threads=1)
     prefill = engines.add("prefill", "prefill-0", EngineConfig(**common),
-                          KVTransferConfig(key=KV_KEY, addr=f"tcp://127.0.0.1:{kv_port}",
+                          KVTransferConfig(key=KV_KEY, addr="tcp://127.0.0.1:0",
                                            advertise=f"tcp://127.0.0.1:{kv_tap.port}"), cluster_key=key)
+    kv_tap.target = port_of(prefill.connector.sender.address)
     engines.add("decode", "decode-0", EngineConfig(**common), KVTransferConfig(key=KV_KEY), cluster_key=key)
-    client = client_for(f"tcp://127.0.0.1:{fe_port}", model, "pd", 256, cluster_key=key)
+    client = client_for("tcp://127.0.0.1:0", model, "pd", 256, cluster_key=key)
     engines.start()
     try:
         with running_client(client) as run:
+            fe_tap.target = port_of(client.router.address)
             run(wait_ready(client, timeout=30))
             (result,) = run(generate_all(client, [prompt], GREEDY, timeout=30))
             if checks is not None:
-                checks(client, prefill, fe_port)
+                checks(client, prefill, fe_tap.target)
     finally:
         engines.stop()
         fe_tap.close()
