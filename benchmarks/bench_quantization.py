@@ -1,21 +1,21 @@
 """Batch-1 decode step time with fp32, bf16 and int8 weights, on a checkpoint of real shapes, and
 the memory bandwidth of the box to hold the achieved weight bytes/s against.
 
-Per torch thread count, one process loads every variant side by side (one engine each, one
-request) and times them in turn, rep after rep: a 16-token prompt, then N decode steps, each
-EngineCore.step timed; a variant's step time is the median step of a rep, the fastest rep of
---reps (the box is shared: a neighbour's load only ever adds time). Weight bytes per step: every
-linear's weight as stored (int8 + its scales, bf16, fp32), which a batch-1 step reads once; the
-embedding (a row a step) is left out. The int8 variants are one engine whose linears switch kernel
-(Linear.int8_way): ours (worker/csrc/linear_kernels.cpp), torch's aten._weight_int8pack_mm with the
-fp32 activations, or F.linear on the int8 weight converted to fp32 for the call and the scales
-applied after (what torchao's int8 weight-only tensor does in eager mode, and what ours does above
-NARROW_MAX_ROWS rows). Then the same ways per linear, one row through 8 layers' worth of
-Qwen3-0.6B shapes (with torchao itself where it is importable), and the machine probes: a 512 MiB
-tensor copy (read + written bytes) and a sum over it (read bytes), best of 5, and an fp32 GEMM of
-2048^3 (the compute peak a prefill step can hope for), best of 5. Each variant's prefill step (one
-PREFILL_TOKENS-token prompt, fastest of the reps) is reported in GFLOP/s against that peak: linears
-2 * in * out per token, attention 4 * head_dim * heads per (query, key) pair of the causal prompt.
+Per torch thread count, one process loads every variant side by side (one engine each, one request)
+and times them in turn, rep after rep: a 16-token prompt, then N decode steps, each EngineCore.step
+timed; a variant's step time is the median step of a rep, the fastest rep of --reps (the box is
+shared: a neighbour's load only ever adds time). Weight bytes per step: every linear's weight as
+stored (int8 + its scales, bf16, fp32), which a batch-1 step reads once; the embedding (a row a
+step) is left out. The int8 variants are one engine whose linears switch kernel (Linear.int8_way):
+ours (worker/csrc/linear_kernels.cpp), torch's aten._weight_int8pack_mm with the fp32 activations,
+or linear_widening at every row count (the int8 weight dequantized a block of output features at a
+time, then oneDNN's GEMM: what the engine does above NARROW_MAX_ROWS rows). Then the same ways per
+linear, one row through 8 layers' worth of Qwen3-0.6B shapes (with torchao itself where it is
+importable), and the machine probes: a 512 MiB tensor copy (read + written bytes) and a sum over it
+(read bytes), best of 5, and an fp32 GEMM of 2048^3 (the compute peak a prefill step can hope for),
+best of 5. Each variant's prefill step (one PREFILL_TOKENS-token prompt, fastest of the reps) is
+reported in GFLOP/s against that peak: linears 2 * in * out per token, attention 4 * head_dim *
+heads per (query, key) pair of the causal prompt.
 
     python scripts/make_random_checkpoint.py /tmp/q06 --preset qwen3-0.6b
     python benchmarks/bench_quantization.py /tmp/q06 --threads 1 2 [--out benchmarks/results/quantization.md]
@@ -42,9 +42,9 @@ VARIANTS: dict[str, tuple[dict, str | None]] = {
     "bf16": ({"dtype": "bfloat16"}, None),
     "int8 (ours)": ({"quantization": "int8"}, None),
     "int8 (aten._weight_int8pack_mm)": ({"quantization": "int8"}, "int8pack"),
-    "int8 (convert + F.linear + scale)": ({"quantization": "int8"}, "convert"),
+    "int8 (widened per block + oneDNN)": ({"quantization": "int8"}, "widen"),
 }
-SLOW = ("int8pack", "convert")  # fewer steps for these
+SLOW = ("int8pack",)  # fewer steps for these
 
 
 PREFILL_TOKENS = 256
@@ -149,7 +149,7 @@ def kernel_candidates(threads: int, layers: int = 8) -> list[dict]:
     the fp32 and bf16 weights for scale. torchao's Int8WeightOnlyConfig where it is importable."""
     import torch.nn.functional as F
 
-    from worker.models.linear import bf16_linear_available, linear_kernels_available, quantize_int8
+    from worker.models.linear import bf16_linear_available, linear_kernels_available, linear_widening, quantize_int8
 
     torch.set_num_threads(threads)
     linear_kernels_available(), bf16_linear_available()
@@ -159,7 +159,7 @@ def kernel_candidates(threads: int, layers: int = 8) -> list[dict]:
     ways = {
         "int8: ours (linear_kernels.cpp)": (lambda x, i: torch.ops.pdserve_linear.linear_int8w(x, *quant[i], None), 1),
         "int8: aten._weight_int8pack_mm": (lambda x, i: torch.ops.aten._weight_int8pack_mm(x, *quant[i]), 1),
-        "int8: convert + F.linear + scale": (lambda x, i: F.linear(x, quant[i][0].float()) * quant[i][1], 1),
+        "int8: widened per block + oneDNN": (lambda x, i: linear_widening(x, *quant[i], None), 1),
     }
     ao = torchao_linears(plain)
     if ao is not None:
@@ -172,7 +172,7 @@ def kernel_candidates(threads: int, layers: int = 8) -> list[dict]:
         for name, (fn, width) in ways.items():
             inputs = [torch.randn(1, k) for _, k in shapes]
             best = float("inf")
-            for _ in range(2 if "convert" in name or "torchao" in name or "int8pack" in name else 7):
+            for _ in range(2 if "torchao" in name or "int8pack" in name else 7):
                 start = time.perf_counter()
                 for i in range(len(shapes)):
                     fn(inputs[i], i)
@@ -184,11 +184,9 @@ def kernel_candidates(threads: int, layers: int = 8) -> list[dict]:
 
 def crossover(threads: int) -> list[dict]:
     """Where a narrow weight's kernel stops paying: ms per call of the int8 and bf16 kernels against
-    F.linear on the weight converted to fp32 for the call (Linear's path above NARROW_MAX_ROWS), by
-    row count, on Qwen3-0.6B's gate_up and down shapes; fastest of 3."""
-    import torch.nn.functional as F
-
-    from worker.models.linear import quantize_int8
+    linear_widening (the weight widened a block at a time, then oneDNN: Linear's path above
+    NARROW_MAX_ROWS), by row count, on Qwen3-0.6B's gate_up and down shapes; fastest of 3."""
+    from worker.models.linear import linear_widening, quantize_int8
 
     torch.set_num_threads(threads)
     out = []
@@ -198,10 +196,10 @@ def crossover(threads: int) -> list[dict]:
             q, scale = quantize_int8(w)
             half = w.to(torch.bfloat16)
             ways = {"int8 kernel": lambda x, q=q, s=scale: torch.ops.pdserve_linear.linear_int8w(x, q, s, None),
-                    "int8 converted": lambda x, q=q, s=scale: F.linear(x, q.float()) * s,
+                    "int8 widened": lambda x, q=q, s=scale: linear_widening(x, q, s, None),
                     "bf16 kernel": lambda x, h=half: torch.ops.pdserve_bf16.linear_bf16w(x, h, None),
-                    "bf16 converted": lambda x, h=half: F.linear(x, h.float())}
-            for rows in (32, 64, 128, 256, 512):
+                    "bf16 widened": lambda x, h=half: linear_widening(x, h, None, None)}
+            for rows in (32, 64, 96, 128, 256, 512):
                 x = torch.randn(rows, k)
                 row = {"shape": f"{n}x{k}", "rows": rows, "threads": threads}
                 for name, fn in ways.items():
@@ -217,7 +215,7 @@ def crossover(threads: int) -> list[dict]:
 
 
 def crossover_table(rows: list[dict]) -> str:
-    names = ["int8 kernel", "int8 converted", "bf16 kernel", "bf16 converted"]
+    names = ["int8 kernel", "int8 widened", "bf16 kernel", "bf16 widened"]
     lines = ["| shape (out x in) | rows | torch threads | " + " | ".join(f"{n} (ms)" for n in names) + " |",
              "|---|---|---|" + "---|" * len(names)]
     lines += [f"| {r['shape']} | {r['rows']} | {r['threads']} | " + " | ".join(f"{r[n]:.2f}" for n in names) + " |"

@@ -21,6 +21,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from worker.models.linear import (
     NARROW_MAX_ROWS,
+    WIDEN_BLOCK,
     Linear,
     bf16_linear_available,
     dequantize_int8,
@@ -79,15 +80,18 @@ def test_quantize_int8_per_output_channel():
 
 
 @pytest.mark.skipif(not linear_kernels_available(), reason="the C++ int8 kernel cannot be built here")
-@pytest.mark.parametrize("shape", [(64, 128), (37, 13), (300, 33)])
-def test_int8_kernel_matches_the_dequantized_weight(shape):
-    """Every row count a step can bring (the kernel up to NARROW_MAX_ROWS, MKL on the converted
-    weight above), odd widths (the SIMD tails), a bias: within rounding of F.linear on q * scale."""
+@pytest.mark.parametrize("shape", [(64, 128), (37, 13), (300, 33), (64, WIDEN_BLOCK * 2 + 5)])
+@pytest.mark.parametrize("way", ["kernel", "widen"])
+def test_int8_kernel_matches_the_dequantized_weight(shape, way):
+    """Every row count a step can bring (the kernel up to NARROW_MAX_ROWS, the weight widened block
+    by block above, or widened at every count where the kernel is not built), odd widths (the SIMD
+    tails), several widening blocks and a part one, a bias: within rounding of F.linear on q * scale."""
     torch.manual_seed(0)
     lin = Linear(*shape, bias=True)
     weight = dequantize_int8(*quantize_int8(lin.weight))
     lin.quantize_int8()
     assert lin.int8_way == "kernel" and lin.weight.numel() == 0
+    lin.int8_way = way
     for rows in (1, 2, 3, 4, 5, 7, 16, 33, NARROW_MAX_ROWS, NARROW_MAX_ROWS + 1):
         x = torch.randn(rows, shape[0])
         with torch.inference_mode():
@@ -95,10 +99,10 @@ def test_int8_kernel_matches_the_dequantized_weight(shape):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", [(64, 128), (37, 13)])
+@pytest.mark.parametrize("shape", [(64, 128), (37, 13), (64, WIDEN_BLOCK + 3)])
 def test_bf16_stored_linear_computes_in_fp32(shape):
-    """store_bf16: few rows through the bf16 kernel, many through MKL on the weight widened for the
-    call; both within rounding of fp32 F.linear on the bf16-rounded weight, and fp32 out."""
+    """store_bf16: few rows through the bf16 kernel, many through oneDNN on the weight widened block
+    by block; both within rounding of fp32 F.linear on the bf16-rounded weight, and fp32 out."""
     torch.manual_seed(0)
     lin = Linear(*shape, bias=True)
     with torch.no_grad():
@@ -134,7 +138,7 @@ def narrow_model_checks(llm: LLM, weights: str) -> None:
 def test_colocated_greedy_matches_transformers_on_narrow_weights(arch, weights, checkpoints, narrow_references):
     prompts = random_prompts(10, 1, 200, VOCAB, 81)
     ref = narrow_references(arch, weights)
-    # (steps of up to 256 rows: both the narrow kernels' row counts and the converted weights' above)
+    # (steps of up to 256 rows: both the narrow kernels' row counts and the widened weights' above)
     llm = LLM(str(checkpoints[arch]), max_model_len=400, block_size=4, max_num_batched_tokens=256,
               **ALL_WEIGHTS[weights])
     try:

@@ -21,8 +21,9 @@ Two things make small-batch decode cheap on a CPU, where every step is a handful
 - Narrow weights of the target (`--dtype bfloat16` on a CPU, `--quantization int8`): the weight
   itself is stored in bf16 (`store_bf16`) or as int8 with one fp32 scale per output feature
   (`quantize_int8`), and the arithmetic stays fp32: a few rows go through a kernel that converts each
-  weight as it reads it (worker/csrc/skinny_linear.h), inputs of more
-  than NARROW_MAX_ROWS rows (long prefill chunks) through MKL against an fp32 copy made for the call.
+  weight as it reads it (worker/csrc/skinny_linear.h), inputs of more than NARROW_MAX_ROWS rows
+  (long prefill chunks) through MKL, the weight dequantized a cache-sized block at a time
+  (`linear_widening`).
   Such linears are never packed nor tuned: oneDNN would do bf16 math where the CPU has it, and the
   tuning record keeps fp32 shapes only.
 """
@@ -76,7 +77,7 @@ class Linear(nn.Linear):
         if self.packed is not None and x.shape[0] >= self.packed_from:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.weight.dtype != x.dtype:  # a bf16-stored weight (store_bf16): fp32 arithmetic all the same
-            return F.linear(x, self.weight.to(x.dtype), self.bias)
+            return linear_widening(x, self.weight, None, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,10 +88,7 @@ class Linear(nn.Linear):
             # torch's own weight-only int8 GEMM: (x @ int8^T) * scale, the scale applied to the sums.
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.int8, self.scale)
             return y if self.bias is None else y + self.bias
-        # The int8 weight converted for the call, the scales applied to the sums (one conversion
-        # of the weight, not two as in dequantizing it first).
-        y = F.linear(x, self.int8.to(x.dtype)) * self.scale.to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return linear_widening(x, self.int8, self.scale, self.bias)
 
     def pack(self, keep_weight: bool) -> None:
         """Reorder the weight for oneDNN. Without `keep_weight` the plain copy is freed (the packed
@@ -115,7 +113,7 @@ class Linear(nn.Linear):
         self.packed = None
         if self.weight.device.type == "cpu" and bf16_linear_available():
             # The bf16 kernel, straight from this copy, up to NARROW_MAX_ROWS rows: its alternative
-            # is no ready fp32 weight but one converted for the call.
+            # is no ready fp32 weight but one widened block by block (linear_widening).
             self.bf16, self.bf16_max_rows = self.weight.detach(), NARROW_MAX_ROWS
 
     def quantize_int8(self) -> None:
@@ -128,11 +126,11 @@ class Linear(nn.Linear):
         # How inputs (of the weight's dtype, the activations') get multiplied; decided here, where
         # asking is allowed, not in a forward that torch.compile may trace.
         if weight.device.type == "cpu" and weight.dtype == torch.float32 and linear_kernels_available():
-            self.int8_way = "kernel"  # few rows; bigger inputs: MKL on the weight converted for the call
+            self.int8_way = "kernel"  # few rows; bigger inputs: linear_widening
         elif weight.device.type == "cuda" and int8pack_mm_works(str(weight.device), weight.dtype):
             self.int8_way, self.scale = "int8pack", self.scale.to(weight.dtype)
         else:
-            self.int8_way = "convert"
+            self.int8_way = "widen"
 
 
 # Inputs of at most this many rows use a Linear's bf16 weight: up to 8 rows the bf16 kernel beats fp32
@@ -160,11 +158,42 @@ def gemm_weight(lin: Linear) -> torch.Tensor:
 
 
 # Inputs of at most this many rows go through the kernel of a narrow weight (store_bf16,
-# quantize_int8); bigger ones (long prefill chunks) through MKL against the weight converted to fp32
-# for the call: converting writes the whole fp32 weight each call, which the kernel's passes beat up
-# to about this many rows, and MKL's blocked GEMM wins beyond (benchmarks/results/quantization.md).
-NARROW_MAX_ROWS = 128
+# quantize_int8); bigger ones (prefill chunks) through oneDNN on the weight widened a block at a
+# time (linear_widening): the kernel's cost grows with every row, the GEMM's much less, and they
+# cross near here for both int8 and bf16 (benchmarks/results/quantization.md).
+NARROW_MAX_ROWS = 96
 LINEAR_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+# Output features a narrow weight is widened by at a time for many input rows (linear_widening):
+# small enough that the widened block stays in cache while it is multiplied, big enough that the
+# Python loop over blocks costs little next to the GEMMs (benchmarks/results/quantization.md).
+WIDEN_BLOCK = 512
+
+
+def linear_widening(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ (weight * scale)^T (+ bias) for a narrow weight (bf16, or int8 with a scale per output
+    feature) and inputs of many rows: the weight is dequantized WIDEN_BLOCK output features at a time
+    into one small buffer of x's dtype, and oneDNN (or MKL) multiplies each block while it is in cache. Widening
+    the whole weight for the call instead writes and reads back an fp32 copy from memory (4x the
+    int8 bytes) and allocates it anew each call. The arithmetic is the reference's: fp32 GEMM on
+    the dequantized weight."""
+    out_features = weight.shape[0]
+    y = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
+    block = torch.empty(min(WIDEN_BLOCK, out_features), weight.shape[1], dtype=x.dtype, device=x.device)
+    onednn = can_pack(x.dtype, x.device.type)  # oneDNN's GEMM beats MKL's on a plain weight too
+    for start in range(0, out_features, WIDEN_BLOCK):
+        stop = min(start + WIDEN_BLOCK, out_features)
+        w = block[: stop - start]
+        w.copy_(weight[start:stop])
+        if scale is not None:
+            w.mul_(scale[start:stop, None])
+        if onednn:
+            y[:, start:stop] = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        else:
+            torch.mm(x, w.t(), out=y[:, start:stop])
+    return y if bias is None else y.add_(bias)
 
 
 @functools.cache
@@ -182,7 +211,7 @@ def int8pack_mm_works(device: str, dtype: torch.dtype) -> bool:
         torch.ops.aten._weight_int8pack_mm(x, torch.zeros(8, 32, dtype=torch.int8, device=device),
                                            torch.ones(8, dtype=dtype, device=device))
     except (RuntimeError, NotImplementedError) as e:
-        logger.info("int8 weights: torch's _weight_int8pack_mm does not take %s on %s (%s); converting the "
+        logger.info("int8 weights: torch's _weight_int8pack_mm does not take %s on %s (%s); widening the "
                     "weight per call instead", dtype, device, e)
         return False
     return True
