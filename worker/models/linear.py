@@ -161,7 +161,7 @@ def gemm_weight(lin: Linear) -> torch.Tensor:
 # quantize_int8); bigger ones (prefill chunks) through oneDNN on the weight widened a block at a
 # time (linear_widening): the kernel's cost grows with every row, the GEMM's much less, and they
 # cross near here for both int8 and bf16 (benchmarks/results/quantization.md).
-NARROW_MAX_ROWS = 96
+NARROW_MAX_ROWS = 64
 LINEAR_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
