@@ -38,25 +38,33 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class Attempt:
+    """One dispatch of a request: the instances it runs on and its KV transfer. A retry or a resume
+    starts a new one, so nothing of a failed attempt carries over."""
+    prefill: str | None = None    # None (both) once the attempt ended: its late outputs are dropped
+    decode: str | None = None
+    transfer_id: str = ""         # the attempt's KV transfer, on P and D alike
+    decode_started: bool = False  # D produced output: P's part is over
+    early: dict[int, Arrival] = field(default_factory=dict)  # outputs that arrived ahead of their turn
+    first_from_prefill: float | None = None  # when P's t0 arrived, and D's first tokens: the hand-off
+    first_from_decode: float | None = None
+
+
+@dataclass
 class Tracked:
+    """A request the front end routes, across all its attempts."""
     req_id: str
     prompt: list[int]
     params: SamplingParams
     queue: asyncio.Queue
-    prefill: str | None = None
-    decode: str | None = None
+    attempt: Attempt = field(default_factory=Attempt)
     streamed: list[int] = field(default_factory=list)  # tokens delivered to the client: the resume point
-    decode_started: bool = False  # D produced output: P's part is over
+    next_index: int = 0           # outputs delivered so far
     attempts: int = 0             # retries before any token reached the client (a fresh prefill)
     resumes: int = 0              # re-dispatches after tokens reached the client (failover)
     failed_at: float | None = None       # when the failure being recovered from was seen
     redispatch_by: float | None = None   # waiting for a live instance until then (monotonic)
     failure: str = ""                    # what the request is recovering from, for the final error
-    transfer_id: str = ""         # this attempt's KV transfer, on P and D alike (new on every retry)
-    next_index: int = 0           # outputs delivered so far
-    early: dict[int, Arrival] = field(default_factory=dict)  # arrived ahead of their turn
-    first_from_prefill: float | None = None  # when P's t0 arrived, and D's first tokens: the hand-off
-    first_from_decode: float | None = None
 
 
 class RemoteEngineClient:
@@ -152,8 +160,8 @@ class RemoteEngineClient:
         tracked = self.tracked.get(request_id)
         if tracked is None:
             return
-        for name in {tracked.prefill, tracked.decode} - {None}:
-            self._send(name, msg.Abort(request_id, tracked.transfer_id))
+        for name in {tracked.attempt.prefill, tracked.attempt.decode} - {None}:
+            self._send(name, msg.Abort(request_id, tracked.attempt.transfer_id))
         self._forget(tracked)
 
     def is_ready(self) -> bool:
@@ -193,12 +201,12 @@ class RemoteEngineClient:
         d = self._pick(EngineRole.DECODE, avoid, pname) or self._pick(EngineRole.DECODE, prefill=pname)
         if p is None or d is None:
             raise EngineUnavailableError(f"no {'prefill' if p is None else 'decode'} instance is ready")
-        tracked.transfer_id = uuid.uuid4().hex[:16]
+        tracked.attempt.transfer_id = uuid.uuid4().hex[:16]
         if self._prefill_on_decode(tracked, p, d):
             self.num_local_prefills += 1
             return self._dispatch_to(tracked, d, msg.Submit(tracked.req_id, tracked.prompt, tracked.params,
-                                                            transfer_id=tracked.transfer_id))
-        tracked.prefill, tracked.decode = p.name, d.name
+                                                            transfer_id=tracked.attempt.transfer_id))
+        tracked.attempt.prefill, tracked.attempt.decode = p.name, d.name
         self.placement.handed_off(p.name, d.name)
         p.outstanding.add(tracked.req_id)
         d.outstanding.add(tracked.req_id)
@@ -206,7 +214,7 @@ class RemoteEngineClient:
         # The transfer id tells this attempt's KV from an older attempt's on both sides.
         # A resumed request carries the tokens the client has: P computes the KV of all but the last
         # and hands that one over as t0; D continues after it (engine/request.py, num_handoff_tokens).
-        tid, done = tracked.transfer_id, list(tracked.streamed)
+        tid, done = tracked.attempt.transfer_id, list(tracked.streamed)
         self._send(d.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params, p.heartbeat.kv_endpoint, tid,
                                       done))
         self._send(p.name, msg.Submit(tracked.req_id, tracked.prompt, tracked.params, transfer_id=tid,
@@ -215,7 +223,7 @@ class RemoteEngineClient:
 
     def _dispatch_to(self, tracked: Tracked, inst: Instance, submit: msg.Submit) -> None:
         """The whole request on one instance: colocated, or prefilled on its decode instance."""
-        tracked.prefill = tracked.decode = inst.name
+        tracked.attempt.prefill = tracked.attempt.decode = inst.name
         inst.outstanding.add(tracked.req_id)
         self._send(inst.name, submit)
         self.timeline.dispatched(tracked.req_id, len(tracked.prompt), inst.name, inst.name)
@@ -223,7 +231,8 @@ class RemoteEngineClient:
     def _queued_prefill_tokens(self, inst: Instance) -> int:
         """Prompt tokens of the requests `inst` holds that have not streamed a token yet."""
         pending = (self.tracked.get(r) for r in inst.outstanding)
-        return sum(len(t.prompt) for t in pending if t is not None and not t.streamed and t.prefill == inst.name)
+        return sum(len(t.prompt) for t in pending
+                   if t is not None and not t.streamed and t.attempt.prefill == inst.name)
 
     def _prefill_on_decode(self, tracked: Tracked, p: Instance, d: Instance) -> bool:
         """Conditional disaggregation (as Dynamo does it): when the chosen P already has more than
@@ -241,11 +250,11 @@ class RemoteEngineClient:
         """The instances `failed` died or failed the request retryably: end this attempt everywhere,
         then a fresh prefill (nothing streamed yet) or a resume (tokens streamed) if the request's
         limit allows, else a clear error to the client."""
-        for name in {tracked.prefill, tracked.decode} - {None}:
-            self._send(name, msg.Abort(tracked.req_id, tracked.transfer_id))
+        for name in {tracked.attempt.prefill, tracked.attempt.decode} - {None}:
+            self._send(name, msg.Abort(tracked.req_id, tracked.attempt.transfer_id))
             if (inst := self.table.get(name)) is not None:
                 inst.outstanding.discard(tracked.req_id)
-        tracked.prefill = tracked.decode = None  # late outputs of this attempt are dropped from here on
+        tracked.attempt = Attempt()  # this one's late outputs are dropped from here on
         if self.mode != ServeMode.PD:
             return self._fail(tracked, reason)
         if tracked.streamed:
@@ -259,8 +268,6 @@ class RemoteEngineClient:
             self.num_retried += 1
         else:
             return self._fail(tracked, reason)
-        tracked.early.clear()
-        tracked.decode_started = False
         tracked.failure, tracked.failed_at = reason, time.monotonic()
         tracked.redispatch_by = tracked.failed_at + self.resume_wait_s
         self._redispatch(tracked, avoid=failed)
@@ -277,8 +284,8 @@ class RemoteEngineClient:
             return self._fail(tracked, f"{tracked.failure}; {e} (waited {self.resume_wait_s:g} s, --resume-wait-s)")
         self.redispatching.pop(tracked.req_id, None)
         what = f"resumed after {len(tracked.streamed)} streamed tokens" if tracked.streamed else "retried"
-        logger.warning("request %s: %s; %s on %s + %s", tracked.req_id, tracked.failure, what, tracked.prefill,
-                       tracked.decode)
+        logger.warning("request %s: %s; %s on %s + %s", tracked.req_id, tracked.failure, what, tracked.attempt.prefill,
+                       tracked.attempt.decode)
 
     def _fail(self, tracked: Tracked, reason: str) -> None:
         if tracked.resumes:
@@ -307,69 +314,70 @@ class RemoteEngineClient:
     def _on_output(self, arrival: Arrival) -> None:
         out = arrival.output
         tracked = self.tracked.get(out.req_id)
-        if tracked is None or out.instance not in (tracked.prefill, tracked.decode):
+        if tracked is None or out.instance not in (tracked.attempt.prefill, tracked.attempt.decode):
             return  # a late message from an aborted attempt
-        if out.transfer_id and out.transfer_id != tracked.transfer_id:
+        a = tracked.attempt
+        if out.transfer_id and out.transfer_id != a.transfer_id:
             return  # from an older attempt on the same instance
         if out.finish_reason == FinishReason.ERROR and out.retryable:
             # A failed transfer: P's side or D's (no memory in time), so try other instances of both.
-            if tracked.prefill != tracked.decode and tracked.prefill and tracked.decode:
-                self.placement.transfer_failed(tracked.prefill, tracked.decode)
-            self._recover(tracked, out.error or "KV transfer failed", {tracked.prefill, out.instance} - {None})
+            if a.prefill != a.decode and a.prefill and a.decode:
+                self.placement.transfer_failed(a.prefill, a.decode)
+            self._recover(tracked, out.error or "KV transfer failed", {a.prefill, out.instance} - {None})
             return
-        self._note_handoff(tracked, arrival)
+        self._note_handoff(a, arrival)
         if out.token_ids and out.first_index != tracked.next_index:
-            tracked.early[out.first_index] = arrival  # D's tokens can overtake t0 from P
+            a.early[out.first_index] = arrival  # D's tokens can overtake t0 from P
             return
         self._deliver(tracked, arrival)
-        while tracked.next_index in tracked.early:
-            self._deliver(tracked, tracked.early.pop(tracked.next_index))
+        while tracked.next_index in a.early:
+            self._deliver(tracked, a.early.pop(tracked.next_index))
 
-    def _note_handoff(self, tracked: Tracked, arrival: Arrival) -> None:
+    def _note_handoff(self, a: Attempt, arrival: Arrival) -> None:
         """When P's first token and D's first tokens arrived (PD only): the hand-off time."""
         out = arrival.output
-        if not out.token_ids or tracked.prefill == tracked.decode:
+        if not out.token_ids or a.prefill == a.decode:
             return
-        if out.instance == tracked.prefill and tracked.first_from_prefill is None:
-            tracked.first_from_prefill = arrival.at
-        elif out.instance == tracked.decode and tracked.first_from_decode is None:
-            tracked.first_from_decode = arrival.at
-            if tracked.prefill:
-                self.placement.transfer_succeeded(tracked.prefill, tracked.decode)
+        if out.instance == a.prefill and a.first_from_prefill is None:
+            a.first_from_prefill = arrival.at
+        elif out.instance == a.decode and a.first_from_decode is None:
+            a.first_from_decode = arrival.at
+            if a.prefill:
+                self.placement.transfer_succeeded(a.prefill, a.decode)
 
     def _deliver(self, tracked: Tracked, arrival: Arrival) -> None:
-        out = arrival.output
+        out, a = arrival.output, tracked.attempt
         tracked.next_index += len(out.token_ids)
         self.timeline.output(tracked.req_id, out.instance, len(out.token_ids))
         tracked.streamed.extend(out.token_ids)
         if out.token_ids and tracked.failed_at is not None:
             self._recovered(tracked)
-        if out.instance == tracked.decode and tracked.decode != tracked.prefill and not tracked.decode_started:
-            tracked.decode_started = True
-            if (p := self.table.get(tracked.prefill)) is not None:
+        handoff = a.prefill != a.decode
+        if out.instance == a.decode and handoff and not a.decode_started:
+            a.decode_started = True
+            if (p := self.table.get(a.prefill)) is not None:
                 p.outstanding.discard(tracked.req_id)
-        handoff = tracked.prefill != tracked.decode
-        if out.finish_reason and self.mode == ServeMode.PD and handoff and out.instance == tracked.prefill:
+        if out.finish_reason and self.mode == ServeMode.PD and handoff and out.instance == a.prefill:
             # Finished on P already (t0 was a stop, or an error): the D reservation is not needed.
-            self._send(tracked.decode, msg.Abort(tracked.req_id, tracked.transfer_id))
+            self._send(a.decode, msg.Abort(tracked.req_id, a.transfer_id))
         elif out.finish_reason == FinishReason.ERROR and self.mode == ServeMode.PD and handoff and \
-                out.instance == tracked.decode:
+                out.instance == a.decode:
             # D failed it for good (no retry): P may still hold the KV for it; free it now, not at lease end.
-            self._send(tracked.prefill, msg.Abort(tracked.req_id, tracked.transfer_id))
+            self._send(a.prefill, msg.Abort(tracked.req_id, a.transfer_id))
         if out.finish_reason == FinishReason.ERROR and tracked.resumes:
             self.num_failed_after_resume += 1
         tracked.queue.put_nowait(GenerationChunk(list(out.token_ids), list(out.logprobs), out.finish_reason, out.error,
                                                  queue_time=out.queue_time, prompt_logprobs=out.prompt_logprobs,
                                                  num_cached_tokens=out.num_cached_tokens,
-                                                 handoff_s=self._handoff_s(tracked)))
+                                                 handoff_s=self._handoff_s(a)))
 
     @staticmethod
-    def _handoff_s(tracked: Tracked) -> float | None:
+    def _handoff_s(a: Attempt) -> float | None:
         """P's first token -> D's first tokens, once (on the first chunk after both arrived)."""
-        p, d = tracked.first_from_prefill, tracked.first_from_decode
+        p, d = a.first_from_prefill, a.first_from_decode
         if p is None or d is None:
             return None
-        tracked.first_from_prefill = tracked.first_from_decode = None
+        a.first_from_prefill = a.first_from_decode = None
         return max(0.0, d - p)
 
     def _recovered(self, tracked: Tracked) -> None:

@@ -135,7 +135,7 @@ def test_router_round_robin_is_per_role():
     for i in range(6):
         tracked = Tracked(f"r{i}", [3, 4], GREEDY, asyncio.Queue())
         client._dispatch(tracked)
-        picked.append(tracked.prefill)
+        picked.append(tracked.attempt.prefill)
         client._forget(tracked)  # done: equal load again
     assert sorted(picked) == ["p0"] * 3 + ["p1"] * 3 and picked[0] != picked[1], picked
     subs = [msg for _, msg in sent]
@@ -197,7 +197,7 @@ def test_prefill_and_decode_are_chosen_independently_and_a_failing_pair_is_avoid
         for i in range(n):
             tracked = Tracked(f"r{i}", [3, 4], GREEDY, asyncio.Queue())
             client._dispatch(tracked)
-            pairs.append((tracked.prefill, tracked.decode))
+            pairs.append((tracked.attempt.prefill, tracked.attempt.decode))
             client._forget(tracked)
         return pairs
 

@@ -245,7 +245,7 @@ def test_decode_killed_mid_stream_every_stream_completes_exactly(cluster):
 
     async def kill_half_way(progress: list[int]):
         await wait_for(lambda: sum(progress) >= NUM_STREAMS * NEW_TOKENS / 2, 30, "the streams to be half done")
-        held = {d: sum(t.decode == d for t in client.tracked.values()) for d in ("decode-0", "decode-1")}
+        held = {d: sum(t.attempt.decode == d for t in client.tracked.values()) for d in ("decode-0", "decode-1")}
         victim["name"] = max(held, key=held.get)
         victim["held"] = held[victim["name"]]
         cluster.group.kill(victim["name"])
@@ -277,8 +277,8 @@ def test_prefill_killed_holding_requests_after_t0_every_stream_completes_exactly
     def holding() -> dict[str, int]:
         out = {"prefill-0": 0, "prefill-1": 0}
         for t in list(client.tracked.values()):
-            if t.streamed and not t.decode_started and t.prefill in out:
-                out[t.prefill] += 1
+            if t.streamed and not t.attempt.decode_started and t.attempt.prefill in out:
+                out[t.attempt.prefill] += 1
         return out
 
     async def kill_a_prefill_holding_kv(progress: list[int]):

@@ -119,7 +119,7 @@ def test_prefill_killed_mid_prefill(num_prefill, checkpoints, references, tmp_pa
             async def scenario():
                 task = asyncio.ensure_future(generate_all(client, [prompt], GREEDY, timeout=60))
                 await asyncio.sleep(1.0)  # 200 tokens at 16 per 0.25 s step: still prefilling
-                victim = next(iter(client.tracked.values())).prefill
+                victim = next(iter(client.tracked.values())).attempt.prefill
                 group.kill(victim)
                 return await task
 

@@ -66,13 +66,13 @@ def test_a_request_starts_where_less_prefill_is_ahead_of_it():
 
     from engine.types import EngineRole
     from server.engine_router import Instance
-    from server.pd_client import RemoteEngineClient, Tracked
+    from server.pd_client import Attempt, RemoteEngineClient, Tracked
 
     params = SamplingParams(max_tokens=4)
     p, d = Instance("p", EngineRole.PREFILL), Instance("d", EngineRole.DECODE)
     # P holds one prompt of 1400 tokens that has not streamed yet; D holds nothing.
     router = SimpleNamespace(local_prefill_above=1024,
-                             tracked={"p0": Tracked("p0", [0] * 1400, params, asyncio.Queue(), prefill="p")})
+                             tracked={"p0": Tracked("p0", [0] * 1400, params, asyncio.Queue(), Attempt(prefill="p"))})
     p.outstanding.add("p0")
     router._queued_prefill_tokens = lambda inst: RemoteEngineClient._queued_prefill_tokens(router, inst)
 
@@ -85,6 +85,6 @@ def test_a_request_starts_where_less_prefill_is_ahead_of_it():
     router.local_prefill_above = 2048
     assert not on_decode(1500)               # P's queue is below the threshold
     router.local_prefill_above = 1024
-    router.tracked["d0"] = Tracked("d0", [0] * 1400, params, asyncio.Queue(), prefill="d")
+    router.tracked["d0"] = Tracked("d0", [0] * 1400, params, asyncio.Queue(), Attempt(prefill="d"))
     d.outstanding.add("d0")
     assert not on_decode(1500)               # D holds as much as P: P, as without the rule
