@@ -175,10 +175,10 @@ def linear_widening(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor |
                     bias: torch.Tensor | None) -> torch.Tensor:
     """x @ (weight * scale)^T (+ bias) for a narrow weight (bf16, or int8 with a scale per output
     feature) and inputs of many rows: the weight is dequantized WIDEN_BLOCK output features at a time
-    into one small buffer of x's dtype, and oneDNN (or MKL) multiplies each block while it is in cache. Widening
-    the whole weight for the call instead writes and reads back an fp32 copy from memory (4x the
-    int8 bytes) and allocates it anew each call. The arithmetic is the reference's: fp32 GEMM on
-    the dequantized weight."""
+    into one small buffer of x's dtype, and oneDNN (or MKL) multiplies each block while it is in
+    cache. Widening the whole weight for the call instead writes an fp32 copy of it to memory,
+    reads it back, and allocates it anew each call. The arithmetic is the reference's: fp32 GEMM
+    on the dequantized weight."""
     out_features = weight.shape[0]
     y = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
     block = torch.empty(min(WIDEN_BLOCK, out_features), weight.shape[1], dtype=x.dtype, device=x.device)
