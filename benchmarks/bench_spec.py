@@ -8,6 +8,7 @@ worker/spec_decode/policy.py), at batch 1, 4, 16 and 32, plus the ratios, the ac
 the adaptive policy chose each k.
 
     python benchmarks/bench_spec.py [--model DIR] [--new-tokens 128] [--temperature 0]
+    python benchmarks/bench_spec.py --skip-acceptance --ablate thin_acceptance=0   # does a knob pay?
 """
 from __future__ import annotations
 
@@ -153,8 +154,18 @@ def median_ratio(a: Contender, base: Contender) -> float:
     return ratios[len(ratios) // 2]
 
 
+def ablated_llm(model: str, k: int, batch: int, device: str, ablate: dict[str, str], **drafter) -> LLM:
+    """An adaptive engine whose SpecPolicy has the `ablate` knobs (field=value) changed: the A/B
+    that shows whether a knob earns its keep."""
+    llm = make_llm(model, "mtp", k, batch, device, "adaptive", **drafter)
+    policy = llm.engine.runner.spec_policy
+    for name, value in ablate.items():
+        setattr(policy, name, type(getattr(policy, name))(value))
+    return llm
+
+
 def report(batch: int, contenders: list[Contender], warmup: int) -> None:
-    base, fixed, adaptive = contenders
+    base, fixed, adaptive = contenders[:3]
     stats = adaptive.llm.engine.scheduler.spec_stats
     policy = adaptive.llm.engine.runner.spec_policy
     total = max(1, sum(policy.chosen_k_counts))
@@ -164,6 +175,10 @@ def report(batch: int, contenders: list[Contender], warmup: int) -> None:
           f"{fixed.rate / base.rate:>6.2f}x {median_ratio(fixed, base):>6.2f}x "
           f"{adaptive.rate / base.rate:>6.2f}x {median_ratio(adaptive, base):>6.2f}x "
           f"{stats.mean_acceptance_length:>7.2f} {per_pos:>10}  {chosen}", flush=True)
+    for ablated in contenders[3:]:
+        print(f"{'':>5} {ablated.label}: {ablated.rate:.1f} tok/s, {ablated.rate / base.rate:.2f}x base "
+              f"(median {median_ratio(ablated, base):.2f}x), median {median_ratio(ablated, adaptive):.2f}x adaptive",
+              flush=True)
     logging.getLogger("bench_spec").info("b=%d (%d untimed rounds) policy: %s", batch, warmup, policy.summary())
 
 
@@ -182,6 +197,8 @@ def main() -> None:
     ap.add_argument("--draft-vocab", default="auto", help="MTP draft vocabulary: auto | full | a file")
     ap.add_argument("--mtp-window", type=int, default=EngineConfig.mtp_window,
                     help="positions the MTP layer attends (0: all)")
+    ap.add_argument("--ablate", action="append", default=[], metavar="FIELD=VALUE",
+                    help="also run adaptive with this SpecPolicy field changed (repeatable: one contender for all)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log the policy's cost table per batch")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
@@ -193,6 +210,7 @@ def main() -> None:
           f"torch threads: {args.threads} | target float32, MTP drafter {drafter}, draft vocab {args.draft_vocab}, "
           f"MTP window {args.mtp_window or 'all'}")
     drafter_args = dict(draft_vocab=args.draft_vocab, mtp_window=args.mtp_window)
+    ablate = dict(item.split("=", 1) for item in args.ablate)
     if not args.skip_acceptance:
         print(f"\n{'K':>2} {'accept len':>11} {'per-position acceptance':>28}")
         for k in (1, 2, 3):
@@ -209,6 +227,10 @@ def main() -> None:
                       Contender("fixed", make_llm(model, "mtp", args.k_fixed, batch, args.device, **drafter_args)),
                       Contender("adaptive", make_llm(model, "mtp", args.k_max, batch, args.device, "adaptive",
                                                      **drafter_args))]
+        if ablate:
+            label = "adaptive with " + ", ".join(f"{k}={v}" for k, v in ablate.items())
+            contenders.append(Contender(label, ablated_llm(model, args.k_max, batch, args.device, ablate,
+                                                           **drafter_args)))
         report(batch, contenders, speed(contenders, batch, rounds, params))
         for c in contenders:
             c.llm.shutdown()
