@@ -22,7 +22,7 @@ Two things make small-batch decode cheap on a CPU, where every step is a handful
   itself is stored in bf16 (`store_bf16`) or as int8 with one fp32 scale per output feature
   (`quantize_int8`), and the arithmetic stays fp32: a few rows go through a kernel that converts each
   weight as it reads it (worker/csrc/skinny_linear.h), inputs of more than NARROW_MAX_ROWS rows
-  (long prefill chunks) through MKL, the weight dequantized a cache-sized block at a time
+  (prefill chunks) through oneDNN's GEMM, the weight dequantized a cache-sized block at a time
   (`linear_widening`).
   Such linears are never packed nor tuned: oneDNN would do bf16 math where the CPU has it, and the
   tuning record keeps fp32 shapes only.
