@@ -8,7 +8,7 @@ worker/spec_decode/policy.py), at batch 1, 4, 16 and 32, plus the ratios, the ac
 the adaptive policy chose each k.
 
     python benchmarks/bench_spec.py [--model DIR] [--new-tokens 128] [--temperature 0]
-    python benchmarks/bench_spec.py --skip-acceptance --ablate thin_acceptance=0   # does a knob pay?
+    python benchmarks/bench_spec.py --skip-acceptance --ablate hold_decisions=0   # does a knob pay?
 """
 from __future__ import annotations
 

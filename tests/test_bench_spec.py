@@ -28,8 +28,8 @@ def test_interleaved_round_times_each_contenders_own_decode(mtp_checkpoints, mon
 def test_an_ablated_contender_runs_the_adaptive_policy_with_its_knobs_changed(mtp_checkpoints, monkeypatch):
     monkeypatch.setattr(bench_spec, "prompts_for", lambda llm, n: random_prompts(n, 5, 9, VOCAB, 4))
     llm = bench_spec.ablated_llm(str(mtp_checkpoints["qwen2"]), 2, 4, "cpu",
-                                 {"thin_acceptance": "0", "prune": "0.5"})
+                                 {"hold_decisions": "0", "surprise": "0.5"})
     policy = llm.engine.runner.spec_policy
     assert str(policy.mode) == "adaptive" and policy.num_spec == 2
-    assert policy.thin_acceptance == 0 and policy.prune == 0.5 and isinstance(policy.prune, float)
+    assert policy.hold_decisions == 0 and policy.surprise == 0.5 and isinstance(policy.surprise, float)
     llm.shutdown()

@@ -128,7 +128,7 @@ def test_plain_steps_slowed_by_the_drafting_before_them_do_not_make_k_look_cheap
 def test_while_k0_wins_only_the_closest_k_is_re_measured_on_schedule():
     """Each measurement at a big batch costs steps at 2-3x a plain one: while not drafting wins, the
     scheduled re-measurements take the k that comes closest to winning (here k=1), not every k in
-    turn; the others wait `IMPLAUSIBLE_EVERY` intervals."""
+    turn; the others wait `OTHERS_EVERY` intervals."""
     policy = SpecPolicy(3, explore_every=50)
     # Acceptance 0.8 per position: tokens/s against k=0 -- k=1 1.05x, k=2 1.02x, k=3 0.98x.
     chosen = feed(policy, 16, [5.0, 8.6, 12.0, 15.0], [0.8, 0.8, 0.8], 3000)
@@ -190,23 +190,6 @@ def test_a_bucket_the_batch_only_passes_through_is_not_measured():
     assert policy.buckets[16, False].explorations >= 3 and policy.best_k(16) == 0, policy.summary()
 
 
-def test_a_k_that_clearly_loses_is_not_measured_again_at_every_batch_size():
-    """Measuring k at a big CPU batch costs steps at 2-4x a plain one: once bucket 16 showed that
-    drafting loses there, bucket 12 (settled, never measured) does not explore each k for itself;
-    it still does, rarely, in case the acceptance changed while nobody drafted."""
-    policy = SpecPolicy(2, explore_every=50, first_reexplore=50)
-    feed(policy, 16, [5.0, 10.0, 14.0], [0.5, 0.5], 100)  # rates vs k=0: 1.5/2 and 1.75/2.8
-    assert policy.best_k(16) == 0
-    rare = policy_module.IMPLAUSIBLE_EVERY * 50
-    chosen = feed(policy, 12, [5.0, 10.0, 14.0], [0.5, 0.5], rare + 100)
-    assert set(chosen[:rare]) == {0}, policy.summary()
-    assert set(chosen[rare:]) > {0}  # ... and then it does
-    # Without pruning the same bucket measures every k in its warm-up.
-    unpruned = SpecPolicy(2, prune=0.0)
-    feed(unpruned, 16, [5.0, 10.0, 14.0], [0.5, 0.5], 100)
-    assert set(feed(unpruned, 12, [5.0, 10.0, 14.0], [0.5, 0.5], 60)) == {0, 1, 2}
-
-
 def test_re_measuring_backs_off_while_it_keeps_confirming_the_decision():
     """Near break-even (k=1, k=2 plausible but slower than k=0) each re-measurement confirms k=0 and
     costs a backfill transition: the interval doubles up to 8x explore_every instead of staying at it."""
@@ -232,13 +215,13 @@ def test_greedy_and_sampling_steps_keep_their_own_costs():
 def test_a_new_sampling_bucket_borrows_from_its_own_batch_size_first():
     """Sampling steps at batch 16 first seen after greedy ones there (drafting loses) and sampling
     ones at batch 1 (drafting wins): the cost ratios depend on the batch far more than on the kind
-    of step, so the new bucket borrows batch 16's and does not draft, nor measure what clearly loses.
-    Pruning by a borrowed estimate only trusts a neighbour within a factor of 2 in batch size."""
+    of step, so until it has measured for itself the new bucket borrows batch 16's and does not draft."""
     policy = SpecPolicy(2)
     feed(policy, 16, [5.0, 12.0, 17.0], [0.8, 0.8], 100)
-    # Batch 1 is no neighbour of batch 16: what loses there does not keep batch 1 from measuring drafting.
     assert feed(policy, 1, [5.0, 6.0, 6.5], [0.8, 0.8], 200, sampled=True)[-50:].count(2) >= 45, policy.summary()
-    assert set(feed(policy, 16, [5.0, 12.0, 17.0], [0.8, 0.8], 100, sampled=True)) == {0}, policy.summary()
+    chosen = feed(policy, 16, [5.0, 12.0, 17.0], [0.8, 0.8], 100, sampled=True)
+    settle = policy_module.SETTLE_DECISIONS
+    assert chosen[:settle] == [0] * settle and chosen[-40:] == [0] * 40, (chosen, policy.summary())
 
 
 def test_a_bucket_between_two_measured_ones_reads_its_costs_off_both():
@@ -271,18 +254,6 @@ def test_a_k_in_use_that_costs_more_than_its_estimate_is_re_measured_at_once():
     assert feed(blind, 4, [5.0, 12.0, 13.0], [0.8, 0.8], 200)[-50:].count(2) >= 45
 
 
-def test_a_k0_decision_on_a_few_unlucky_early_drafts_is_revisited_soon():
-    """At batch 1 each measurement verifies a handful of drafts: if the first requests' drafts were
-    mostly rejected, k=0 looks best, and acceptance is only observed while drafting. Until position 1
-    has `thin_acceptance` verified drafts behind it, re-measuring does not back off."""
-    def run(thin: int) -> list[int]:
-        policy = SpecPolicy(2, thin_acceptance=thin)
-        feed(policy, 1, [5.0, 7.0, 8.5], [0.2, 0.2], 40, rows=1)  # an unlucky start
-        return feed(policy, 1, [5.0, 7.0, 8.5], [0.85, 0.85], 500, rows=1)
-    assert run(64)[-100:].count(2) >= 85
-    assert run(0)[-100:].count(0) >= 85  # the backed-off interval: still k=0 after 500 steps
-
-
 def test_a_due_re_measurement_waits_for_little_backfill():
     """Re-measuring k>0 after a long k=0 stretch first runs the MTP layer over every skipped position
     of every row; a due re-measurement waits until few are pending, up to 4 intervals."""
@@ -303,9 +274,9 @@ def test_a_bucket_next_to_a_measured_one_warms_up_with_one_pair_per_k():
         feed(policy, 12, [5.0, 9.5, 13.0], [0.8, 0.8], 60)  # settles (16 decisions), warms up
         return [policy.buckets[12, False].ratios[k].count for k in (1, 2)]
 
-    alone = SpecPolicy(2, prune=0.0)
+    alone = SpecPolicy(2)
     assert pairs_at_12(alone) == [policy_module.WARMUP_PAIRS] * 2
-    beside = SpecPolicy(2, prune=0.0)
+    beside = SpecPolicy(2)
     feed(beside, 16, [5.0, 9.5, 13.0], [0.8, 0.8], 100)
     assert [beside.buckets[16, False].ratios[k].count >= policy_module.WARMUP_PAIRS for k in (1, 2)] == [True, True]
     assert pairs_at_12(beside) == [1, 1], beside.summary()
@@ -314,7 +285,7 @@ def test_a_bucket_next_to_a_measured_one_warms_up_with_one_pair_per_k():
 def test_a_warm_up_waits_for_little_backfill():
     """A bucket that settles has rows that skipped the MTP layer at their previous batch size: its
     warm-up, like a re-measurement, waits for a moment with few positions to backfill."""
-    policy = SpecPolicy(2, prune=0.0)
+    policy = SpecPolicy(2)
     feed(policy, 16, [5.0, 9.5, 13.0], [0.8, 0.8], 100)  # k=0 is best at 16; 12 will borrow that
     waited = [policy.choose(12, pending=12 * 100) for _ in range(3 * policy_module.SETTLE_DECISIONS)]
     assert set(waited) == {0} and policy.buckets[12, False].explorations == 0
@@ -325,7 +296,7 @@ def test_a_warm_up_that_never_sees_little_backfill_still_ends():
     """A bucket whose rows always have much backfill pending (long-lived rows under load) waits at most
     4 first re-measurement intervals, and then warms up every k back to back: the wait does not grow
     with each measurement taken."""
-    policy = SpecPolicy(3, prune=0.0)
+    policy = SpecPolicy(3)
     feed(policy, 16, [5.0, 9.5, 13.0, 16.0], [0.8, 0.8, 0.8], 300, pending=16 * 100)
     assert policy.warmed_up(16), policy.summary()
 
@@ -334,7 +305,7 @@ def test_resuming_drafting_near_break_even_takes_a_wider_margin():
     """Rows that skipped the MTP layer for a while make the first drafting step pay its backfill: a k
     that wins by less than `RESUME_MARGIN` is not resumed while much is pending (near break-even the
     decision would flip with the noise and pay a backfill at each flip); with little pending it is."""
-    policy = SpecPolicy(2, prune=0.0)
+    policy = SpecPolicy(2)
     feed(policy, 16, [5.0, 7.0, 10.0], [0.6, 0.6], 300)  # rates vs k=0: k=1 1.6/1.4 = 1.14, k=2 0.98
     assert policy.best_k(16) == 1, policy.summary()
     assert set(policy.choose(16, pending=16 * 100) for _ in range(20)) == {0}, policy.summary()
@@ -365,7 +336,7 @@ def test_a_held_k0_decision_decides_as_re_evaluating_every_step_would(draft_ms, 
             k_prev = k
         return chosen
 
-    held, evaluated = SpecPolicy(2, prune=0.0), SpecPolicy(2, prune=0.0, hold_decisions=0)
+    held, evaluated = SpecPolicy(2), SpecPolicy(2, hold_decisions=0)
     calls = {"held": 0, "evaluated": 0}
     estimates = SpecPolicy.cost_estimates
 

@@ -19,10 +19,9 @@ then every `explore_every` steps --
 so a changed machine load or workload is noticed; so is a k in use whose recent steps cost
 clearly more or less than its estimate says (that surprise re-measures it at once).
 Acceptance is only observed while drafting; a k=0 regime keeps its
-old estimate until the next exploration (which does not back off while that estimate rests on few drafts).
-A k that the estimates at hand (a neighbouring bucket's cost ratio, today's
-acceptance) say loses clearly to k=0 is neither warmed up nor re-measured at a bucket, except rarely: at a big batch
-each measured step costs several plain ones, plus the MTP layer's backfill over the positions skipped meanwhile.
+old estimate until the next exploration. While k=0 wins, only the k closest to winning is re-measured on
+schedule, the others rarely: at a big batch each measured step costs several plain ones, plus the MTP layer's
+backfill over the positions skipped meanwhile.
 For the same reason re-measurements back off while they keep confirming the decision, a due one -- and a warm-up
 too -- waits for a moment with few skipped positions (new rows, a stash flush), and a bucket whose neighbour has
 measured k already warms k up with one measurement of its own. Resuming drafting while much backfill is pending
@@ -62,7 +61,7 @@ DOUBT = 0.2
 # Re-measure when the skipped MTP positions are at most this many per row (bench_spec.txt,
 # 2026-12-01 18:40: the backfill of a resumed drafting step at 16 rows).
 BACKFILL_PER_ROW = 8
-IMPLAUSIBLE_EVERY = 8     # a k pruned as implausible is re-measured after this many intervals
+OTHERS_EVERY = 8          # while k=0 wins, a k other than the closest is re-measured after this many intervals
 # Added to the margin while the rows have much backfill pending (bench_spec.txt, 2026-12-01 22:36, 59d46d8).
 RESUME_MARGIN = 0.1
 # Plain steps after drafting that run slower (see Exploration; spec_serving.md, 2026-12-03 14:20 / 14:26).
@@ -192,10 +191,6 @@ class SpecPolicy:
     # 92cf44b: the b16/b32 losses were the measurements and their backfill).
     explore_every: int = 500          # decisions per bucket between re-measurements (at most) ...
     first_reexplore: int = 32         # ... starting this soon and doubling
-    thin_acceptance: int = 64         # drafts verified at position 1 below which re-measuring does not back off
-    # A k estimated below this share of k=0's tokens/s is not measured (each measurement at a big
-    # batch costs several plain steps plus the backfill); re-measured every IMPLAUSIBLE_EVERY intervals.
-    prune: float = 0.8
     # Re-measure a k in use whose recent median is this far off its estimate (bench_spec.txt,
     # 2026-12-03 12:36, f52e291; spec_serving.md, 2026-12-03 14:20 / 14:26: a tighter one re-measured on noise).
     surprise: float = 0.25
@@ -311,8 +306,7 @@ class SpecPolicy:
             self._finish(e)
         estimates = self.cost_estimates(bucket)
 
-        plausible = self._plausible(bucket)
-        unmeasured = self._unmeasured(bucket, costs, plausible)
+        unmeasured = self._unmeasured(bucket, costs)
         # A bucket passed through briefly (a batch draining, or filling up again under load: each
         # time for a few steps) decides from its neighbours' timings, and a measurement started there
         # would be abandoned when the batch moves on; one the batch stays at, or one nothing is known
@@ -320,16 +314,15 @@ class SpecPolicy:
         stays = self._stays(costs)
         settled = stays or None in estimates
         interval = self._interval(costs)
-        stale = min(plausible, key=lambda k: costs.last_measured[k])
-        if len(plausible) > 2 and estimates[0] is not None and not self.best_k(bucket, estimates):
+        stale = stalest = min(range(self.num_spec + 1), key=lambda k: costs.last_measured[k])
+        if self.num_spec > 1 and estimates[0] is not None and not self.best_k(bucket, estimates):
             # Not drafting wins: only the k that comes closest is re-measured on schedule (at a big
             # batch each measurement costs a few steps at several times a plain one, plus the backfill and the
-            # slow plain steps after it); the others go with the implausible ones, rarely.
+            # slow plain steps after it); the others rarely.
             rates = self._rates(estimates)
-            stale = max((k for k in plausible if k), key=rates.__getitem__)
-        stalest = min(range(self.num_spec + 1), key=lambda k: costs.last_measured[k])
-        if costs.decisions - costs.last_measured[stalest] > IMPLAUSIBLE_EVERY * interval:
-            stale = stalest
+            stale = max(range(1, self.num_spec + 1), key=rates.__getitem__)
+            if costs.decisions - costs.last_measured[stalest] > OTHERS_EVERY * interval:
+                stale = stalest
         # A due re-measurement, and a warm-up (the rows of a bucket that settles have been skipping the
         # MTP layer at their previous batch size), wait for a moment with little backfill to pay
         # (new rows, a flush), up to 4 intervals (a warm-up: 4 first ones, see below).
@@ -367,18 +360,8 @@ class SpecPolicy:
         re-measurement may start as the batch arrives, when the rows have the least backfill pending)."""
         return self._streak > SETTLE_DECISIONS or costs.visits.value > SETTLE_DECISIONS
 
-    def _plausible(self, bucket: BucketKey) -> list[int]:
-        """The k that could win at `bucket`. Measuring k costs a few steps at k (a big batch on a CPU
-        pays several plain steps for each) plus the MTP layer's backfill over every row's skipped
-        positions: a k that the estimates we have (a neighbour's cost ratio, today's acceptance) say
-        loses clearly is not measured, and re-measured only rarely, in case the acceptance changed
-        while nobody drafted. Only a neighbour within a factor of 2 in batch size counts for that (batch 1's
-        costs say nothing of batch 16's)."""
-        near = self.cost_estimates(bucket, near=True)
-        return [k for k in range(self.num_spec + 1) if self._may_win(k, near)]
-
-    def _unmeasured(self, bucket: BucketKey, costs: BucketCosts, plausible: list[int]) -> list[int]:
-        """The plausible k, largest first, that `bucket` has not measured enough yet (its warm-up)."""
+    def _unmeasured(self, bucket: BucketKey, costs: BucketCosts) -> list[int]:
+        """The k, largest first, that `bucket` has not measured enough yet (its warm-up)."""
         def unmeasured_k(k: int) -> bool:
             if not k:
                 return costs.steps[0].count < WARMUP_SAMPLES
@@ -387,10 +370,10 @@ class SpecPolicy:
             count = costs.ratios[k].count
             return count < 1 or (count < WARMUP_PAIRS and not self._neighbour_measured(bucket, k))
 
-        return [k for k in range(self.num_spec, -1, -1) if k in plausible and unmeasured_k(k)]
+        return [k for k in range(self.num_spec, -1, -1) if unmeasured_k(k)]
 
     def warmed_up(self, batch_size: int, sampled: bool = False) -> bool:
-        """Whether the bucket of `batch_size` has measured every k that could win and is not measuring
+        """Whether the bucket of `batch_size` has measured every k and is not measuring
         one now (benchmarks time the steady state: a long-running server pays its warm-up once)."""
         if self.mode is SpecPolicyMode.FIXED:
             return True
@@ -398,7 +381,7 @@ class SpecPolicy:
         costs = self.buckets.get(bucket)
         if costs is None or (self._exploration is not None and self._exploration.bucket == bucket):
             return False
-        return not self._unmeasured(bucket, costs, self._plausible(bucket))
+        return not self._unmeasured(bucket, costs)
 
     def _holds(self, bucket: BucketKey, costs: BucketCosts, pending: int, batch_size: int) -> bool:
         """Whether the held k=0 decision (if any) still stands for this decision of `bucket`."""
@@ -442,10 +425,6 @@ class SpecPolicy:
         samples, then every explore_every, doubling (at most three times) while re-measurements keep confirming
         the decision (at a batch where drafting is near break-even each one costs a backfill
         transition and changes nothing)."""
-        if self.acceptance[0].count < self.thin_acceptance:
-            # Acceptance is only observed while drafting: a k=0 decision that rests on a few early
-            # drafts (at batch 1, a handful per measurement) would keep its first guess for hundreds of steps.
-            return self.first_reexplore
         every = self.explore_every << min(costs.confirmed, 3)
         return min(every, self.first_reexplore << costs.explorations)
 
@@ -467,28 +446,21 @@ class SpecPolicy:
         return any(key != bucket and size / 2 <= key[0] <= size * 2 and c.ratios[k].count >= WARMUP_PAIRS
                    for key, c in self.buckets.items())
 
-    def _may_win(self, k: int, estimates: list[float | None]) -> bool:
-        """Whether drafting k could beat not drafting by the estimates we have (True when unknown)."""
-        if k == 0 or estimates[0] is None or estimates[k] is None:
-            return True
-        overhead = self.overhead.value
-        return self.expected_tokens(k) / (estimates[k] + overhead) >= self.prune / (estimates[0] + overhead)
-
-    def cost_estimates(self, bucket: BucketKey, near: bool = False) -> list[float | None]:
+    def cost_estimates(self, bucket: BucketKey) -> list[float | None]:
         """Seconds per step for each k at `bucket`: k=0 as measured (or read off other buckets, see
         _between); k>0 as that times the measured ratio C(k)/C(0) here (or read off others the same
-        way), else the raw measurement. `near`: only buckets within a factor of 2 in batch size."""
-        base = self._between(bucket, lambda c: c.steps[0].value if c.steps[0].count else None, near)
+        way), else the raw measurement."""
+        base = self._between(bucket, lambda c: c.steps[0].value if c.steps[0].count else None)
         out: list[float | None] = [base]
         for k in range(1, self.num_spec + 1):
-            ratio = self._between(bucket, lambda c, k=k: c.ratio(k), near)
+            ratio = self._between(bucket, lambda c, k=k: c.ratio(k))
             if ratio is not None and base is not None:
                 out.append(base * ratio)
             else:
-                out.append(self._nearest(bucket, lambda c, k=k: c.steps[k].value if c.steps[k].count else None, near))
+                out.append(self._nearest(bucket, lambda c, k=k: c.steps[k].value if c.steps[k].count else None))
         return out
 
-    def _between(self, bucket: BucketKey, get, near: bool = False) -> float | None:
+    def _between(self, bucket: BucketKey, get) -> float | None:
         """`get` of `bucket` itself, else interpolated linearly in batch size between the nearest
         smaller and larger buckets of the same kind of step that have it, else the nearest bucket's.
         A step's cost and its ratios C(k)/C(0) grow with the rows, so a batch draining through 4 rows
@@ -501,18 +473,18 @@ class SpecPolicy:
         size, sampled = bucket
         below = above = None  # (batch bucket, value)
         for (other, kind), costs in self.buckets.items():
-            if kind != sampled or (near and not size / 2 <= other <= size * 2) or (value := get(costs)) is None:
+            if kind != sampled or (value := get(costs)) is None:
                 continue
             if other < size and (below is None or other > below[0]):
                 below = (other, value)
             elif other > size and (above is None or other < above[0]):
                 above = (other, value)
         if below is None or above is None:
-            return self._nearest(bucket, get, near)
+            return self._nearest(bucket, get)
         (x0, y0), (x1, y1) = below, above
         return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
 
-    def _nearest(self, bucket: BucketKey, get, near: bool = False) -> float | None:
+    def _nearest(self, bucket: BucketKey, get) -> float | None:
         """`get` of the nearest bucket that has it: the closest batch size (what a step's cost ratios
         depend on most), the same kind of step first among equals."""
         size, sampled = bucket
@@ -520,8 +492,6 @@ class SpecPolicy:
         if order is None:  # (called several times a step: sort once per bucket, not per call)
             order = self._order[bucket] = sorted(self.buckets, key=lambda b: (abs(b[0] - size), b[1] != sampled, b))
         for key in order:
-            if near and not size / 2 <= key[0] <= size * 2:
-                continue
             value = get(self.buckets[key])
             if value is not None:
                 return value
