@@ -59,8 +59,10 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 # 64, 32 and 128 take the AVX-512 path where the CPU has it (groups of 2, 4 and an odd 3); 24 the generic one.
+# 8 KV heads of 128 make a slot a page: AVX-512 walks the slots in order, a task several heads.
 @pytest.mark.parametrize("heads,kv_heads,dim,window", [(4, 2, 64, None), (6, 6, 24, None), (4, 1, 32, 24),
-                                                     (6, 2, 64, 10), (8, 2, 128, None)])
+                                                     (6, 2, 64, 10), (8, 2, 128, None), (16, 8, 128, None),
+                                                     (24, 8, 128, 20)])
 def test_cpp_kernel_matches_reference(case, heads, kv_heads, dim, window):
     if not cpu_attention.available():
         pytest.fail("the C++ paged attention kernel did not build (a C++ compiler and ninja are set up by make)")

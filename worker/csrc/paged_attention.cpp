@@ -1,7 +1,8 @@
 // Paged attention on the CPU that reads the KV cache in place.
 //
-// Each (request row, KV head) task walks the row's blocks through its block table and attends
-// every query head of the group over them: no dense copy of the context, no host-built mask.
+// Each task -- a request row and some of its KV heads -- walks the row's blocks through its block
+// table and attends every query head of their groups over them: no dense copy of the context, no
+// host-built mask.
 // Row b owns queries [query_start[b], query_start[b] + query_len[b]) (a row with query_len 0 is
 // skipped: the caller attends it another way); its seq_lens[b] keys include
 // this step's tokens (already written to the cache), so query i sits at absolute position
@@ -106,11 +107,12 @@ void attend_row_head(const scalar_t* q, const scalar_t* k_cache, const scalar_t*
 }
 
 #if defined(__AVX512F__)
-// fp32 rows on AVX-512 (head_dim a multiple of 16, up to 256): one query row at a time, its
-// query and output accumulator held in registers across the whole context, 16 keys per chunk.
-// GCC's auto-vectorised generic path above (mostly 256-bit, a horizontal sum per key and a
-// scalar expf call per score) is several times slower at decode and verify rows, and still slower at
-// long contexts where both read the cache at memory speed (benchmarks/bench_attention_kernel.py).
+// fp32 rows on AVX-512 (head_dim 32, 64 or 128), 16 keys per chunk. GCC's auto-vectorised generic
+// path above (mostly 256-bit, a horizontal sum per key and a scalar expf call per score) is several
+// times slower at decode and verify rows, and still slower at long contexts where both read the cache
+// at memory speed (benchmarks/bench_attention_kernel.py). Two walks: one KV head at a time with its
+// query rows in registers (attend_row_head_avx512), and, where a slot spans a page, the slots in
+// order with every head of the task (attend_heads_avx512; see there why).
 
 // exp(x) for x <= 0 (scores minus their running max): Cody-Waite range reduction, the Cephes
 // degree-6 polynomial (relative error ~1e-7, like expf) and vscalefps for the 2^n. Lanes below
@@ -231,6 +233,132 @@ bool attend_row_head_avx512(const scalar_t* q, const scalar_t* k_cache, const sc
       }
     }
     return true;
+  }
+}
+// Prefetch `bytes` from `p` into L2, a cache line at a time.
+inline void prefetch_l2(const float* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T1);
+}
+
+// KV heads [h0, h1) of one request row, for head_dim = 16 * ND: every query row of those heads (the
+// row's tokens times the heads sharing each KV head) walks the context a chunk of at most 16
+// contiguous slots at a time. A slot holds every KV head side by side, so one head's keys lie a slot
+// apart: where a slot spans a page (a real-size model), walked one head at a time every key is a
+// miss that the hardware prefetcher, which follows a stream within a page, does not foresee, and
+// the walk runs at a fraction of the memory's bandwidth. Here a chunk's keys,
+// then its values, are read slot by slot, every head of the slot in turn (an address stream in
+// order), while the next chunk's slots are prefetched into L2; each query row keeps its scores,
+// running max, denominator and output accumulator in memory between chunks (row r of head h, token
+// i, group member g is ((h - h0) * q_len + i) * group + g).
+template <int ND>
+void attend_heads_avx512(const float* q, const float* k_cache, const float* v_cache, float* out,
+                         const int32_t* block_table, int64_t q0, int64_t q_len, int64_t seq_len, int64_t h0,
+                         int64_t h1, const Shapes& s) {
+  const int64_t group = s.heads / s.kv_heads, dim = s.head_dim, bs = s.block_size, stride = s.kv_stride_slot;
+  const int64_t rows = (h1 - h0) * q_len * group, per_head = q_len * group;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<float> qs(rows * dim), acc(rows * dim, 0.f), max_score(rows, neg_inf), denom(rows, 0.f);
+  std::vector<float> scores(rows * 16);
+  std::vector<int64_t> from(q_len), to(q_len);
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t i = 0; i < q_len; ++i)
+      for (int64_t g = 0; g < group; ++g) {
+        const float* src = q + (q0 + i) * s.q_stride_t + (h * group + g) * s.q_stride_h;
+        float* dst = qs.data() + (((h - h0) * q_len + i) * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * s.scale;
+      }
+  const int64_t first_pos = seq_len - q_len, last = seq_len - 1, span = (h1 - h0) * dim * 4;
+  auto lo_of = [&](int64_t pos) { return s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : int64_t{0}; };
+  // Keys j .. j+n-1 of a chunk: contiguous slots of one block, the first at `slot`.
+  auto chunk_at = [&](int64_t j, int64_t& slot) {
+    const int64_t blk = j / bs, in_blk = j - blk * bs;
+    slot = static_cast<int64_t>(block_table[blk]) * bs + in_blk;
+    return std::min<int64_t>({16, bs - in_blk, last + 1 - j});
+  };
+  int64_t slot = 0, next_slot = 0;
+  for (int64_t j = lo_of(first_pos), n = chunk_at(j, slot), next_n = 0; j <= last; j += n, n = next_n, slot = next_slot) {
+    next_n = j + n <= last ? chunk_at(j + n, next_slot) : 0;
+    const float* kc = k_cache + slot * stride + h0 * dim;
+    const float* vc = v_cache + slot * stride + h0 * dim;
+    for (int64_t i = 0; i < q_len; ++i)
+      from[i] = std::max<int64_t>(lo_of(first_pos + i) - j, 0), to[i] = std::min<int64_t>(first_pos + i + 1 - j, n);
+    // Scores, slot by slot (lanes a row does not see are masked below).
+    for (int64_t t = 0; t < n; ++t) {
+      if (t < next_n) prefetch_l2(k_cache + (next_slot + t) * stride + h0 * dim, span);
+      for (int64_t h = 0; h < h1 - h0; ++h) {
+        const float* kt = kc + t * stride + h * dim;
+        __m512 kv[ND];
+        for (int c = 0; c < ND; ++c) kv[c] = _mm512_loadu_ps(kt + 16 * c);
+        for (int64_t r = h * per_head; r < (h + 1) * per_head; ++r) {
+          const float* qr = qs.data() + r * dim;
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
+          for (int c = 1; c < ND; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), kv[c], a);
+          scores[r * 16 + t] = _mm512_reduce_add_ps(a);
+        }
+      }
+    }
+    // Each row's online-softmax update; its scores become its weights (0 where it does not see).
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = (r / group) % q_len;
+      float* sr = scores.data() + r * 16;
+      if (from[i] >= to[i]) {  // nothing of this chunk is visible to this token
+        _mm512_storeu_ps(sr, _mm512_setzero_ps());
+        continue;
+      }
+      const __mmask16 visible = static_cast<__mmask16>(((1u << to[i]) - 1) & ~((1u << from[i]) - 1));
+      const __m512 sc = _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), visible, sr);
+      const float new_max = std::max(max_score[r], _mm512_reduce_max_ps(sc));
+      const float rescale = std::exp(max_score[r] - new_max);  // 0 on the first visible chunk
+      const __m512 p = exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(new_max)));
+      denom[r] = denom[r] * rescale + _mm512_reduce_add_ps(p);
+      max_score[r] = new_max;
+      _mm512_storeu_ps(sr, p);
+      float* ar = acc.data() + r * dim;
+      const __m512 rs = _mm512_set1_ps(rescale);
+      for (int c = 0; c < ND; ++c) _mm512_storeu_ps(ar + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), rs));
+    }
+    // Values, slot by slot.
+    for (int64_t t = 0; t < n; ++t) {
+      if (t < next_n) prefetch_l2(v_cache + (next_slot + t) * stride + h0 * dim, span);
+      for (int64_t h = 0; h < h1 - h0; ++h) {
+        const float* vt = vc + t * stride + h * dim;
+        __m512 vv[ND];
+        for (int c = 0; c < ND; ++c) vv[c] = _mm512_loadu_ps(vt + 16 * c);
+        for (int64_t r = h * per_head; r < (h + 1) * per_head; ++r) {
+          const float p = scores[r * 16 + t];
+          if (p == 0.f) continue;  // masked keys cost nothing more
+          const __m512 pv = _mm512_set1_ps(p);
+          float* ar = acc.data() + r * dim;
+          for (int c = 0; c < ND; ++c)
+            _mm512_storeu_ps(ar + 16 * c, _mm512_fmadd_ps(pv, vv[c], _mm512_loadu_ps(ar + 16 * c)));
+        }
+      }
+    }
+  }
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t i = 0; i < q_len; ++i)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = ((h - h0) * q_len + i) * group + g;
+        float* dst = out + (q0 + i) * s.o_stride_t + (h * group + g) * dim;
+        const float inv = 1.f / denom[r];  // > 0: a query always sees itself
+        for (int64_t d = 0; d < dim; ++d) dst[d] = acc[r * dim + d] * inv;
+      }
+}
+
+// KV heads [h0, h1) of a request row on the AVX-512 path; false where it does not apply.
+template <typename scalar_t>
+bool attend_heads_avx512_if(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, scalar_t* out,
+                            const int32_t* block_table, int64_t q0, int64_t q_len, int64_t seq_len, int64_t h0,
+                            int64_t h1, const Shapes& s) {
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    return false;
+  } else {
+    switch (s.head_dim) {
+      case 32: attend_heads_avx512<2>(q, k_cache, v_cache, out, block_table, q0, q_len, seq_len, h0, h1, s); return true;
+      case 64: attend_heads_avx512<4>(q, k_cache, v_cache, out, block_table, q0, q_len, seq_len, h0, h1, s); return true;
+      case 128: attend_heads_avx512<8>(q, k_cache, v_cache, out, block_table, q0, q_len, seq_len, h0, h1, s); return true;
+      default: return false;
+    }
   }
 }
 #endif  // __AVX512F__
@@ -405,18 +533,35 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     const scalar_t* kp = k_cache.data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, num_rows * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // A task is a request row's KV heads [h0, h1): one head where it is walked one head at a time;
+    // where a slot spans a page and AVX-512 walks its slots in order (attend_heads_avx512), as many
+    // heads as leave each thread two tasks.
+    bool by_slot = false;
+#if defined(__AVX512F__)
+    by_slot = s.kv_heads * s.head_dim * q.element_size() >= 4096;
+#endif
+    const int64_t splits =
+        by_slot ? std::clamp<int64_t>((2 * at::get_num_threads() + num_rows - 1) / std::max<int64_t>(num_rows, 1), 1, s.kv_heads)
+                : s.kv_heads;
+    at::parallel_for(0, num_rows * splits, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / s.kv_heads, h = task % s.kv_heads;
+        const int64_t b = task / splits, part = task % splits;
+        const int64_t h0 = s.kv_heads * part / splits, h1 = s.kv_heads * (part + 1) / splits;
         const int64_t q0 = q_start[b], q_len = q_lens[b];
         if (q_len == 0) continue;
+        const int32_t* table = bt + b * s.max_blocks;
 #if defined(__AVX512F__)
-        if (attend_row_head_avx512(qp, kp, vp, op, bt + b * s.max_blocks, q0, q_len, lens[b], h, s)) continue;
+        if (by_slot && attend_heads_avx512_if(qp, kp, vp, op, table, q0, q_len, lens[b], h0, h1, s)) continue;
+#endif
+        for (int64_t h = h0; h < h1; ++h) {
+#if defined(__AVX512F__)
+          if (attend_row_head_avx512(qp, kp, vp, op, table, q0, q_len, lens[b], h, s)) continue;
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-        if (attend_row_head_avx2(qp, kp, vp, op, bt + b * s.max_blocks, q0, q_len, lens[b], h, s)) continue;
+          if (attend_row_head_avx2(qp, kp, vp, op, table, q0, q_len, lens[b], h, s)) continue;
 #endif
-        attend_row_head(qp, kp, vp, op, bt + b * s.max_blocks, q0, q_len, lens[b], h, s);
+          attend_row_head(qp, kp, vp, op, table, q0, q_len, lens[b], h, s);
+        }
       }
     });
   });
