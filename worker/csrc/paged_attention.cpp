@@ -278,25 +278,28 @@ void attend_heads_avx512(const float* q, const float* k_cache, const float* v_ca
   int64_t slot = 0, next_slot = 0;
   for (int64_t j = lo_of(first_pos), n = chunk_at(j, slot), next_n = 0; j <= last; j += n, n = next_n, slot = next_slot) {
     next_n = j + n <= last ? chunk_at(j + n, next_slot) : 0;
-    const float* kc = k_cache + slot * stride + h0 * dim;
-    const float* vc = v_cache + slot * stride + h0 * dim;
     for (int64_t i = 0; i < q_len; ++i)
       from[i] = std::max<int64_t>(lo_of(first_pos + i) - j, 0), to[i] = std::min<int64_t>(first_pos + i + 1 - j, n);
-    // Scores, slot by slot (lanes a row does not see are masked below).
-    for (int64_t t = 0; t < n; ++t) {
-      if (t < next_n) prefetch_l2(k_cache + (next_slot + t) * stride + h0 * dim, span);
-      for (int64_t h = 0; h < h1 - h0; ++h) {
-        const float* kt = kc + t * stride + h * dim;
-        __m512 kv[ND];
-        for (int c = 0; c < ND; ++c) kv[c] = _mm512_loadu_ps(kt + 16 * c);
-        for (int64_t r = h * per_head; r < (h + 1) * per_head; ++r) {
-          const float* qr = qs.data() + r * dim;
-          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
-          for (int c = 1; c < ND; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), kv[c], a);
-          scores[r * 16 + t] = _mm512_reduce_add_ps(a);
+    // The chunk's slots of `cache` in order, every head of the task in each: use(t, r, vectors of the
+    // head) for each query row r of the head; the same slot of the next chunk is prefetched.
+    auto walk = [&](const float* cache, auto&& use) {
+      for (int64_t t = 0; t < n; ++t) {
+        if (t < next_n) prefetch_l2(cache + (next_slot + t) * stride + h0 * dim, span);
+        for (int64_t h = 0; h < h1 - h0; ++h) {
+          const float* src = cache + (slot + t) * stride + (h0 + h) * dim;
+          __m512 vec[ND];
+          for (int c = 0; c < ND; ++c) vec[c] = _mm512_loadu_ps(src + 16 * c);
+          for (int64_t r = h * per_head; r < (h + 1) * per_head; ++r) use(t, r, vec);
         }
       }
-    }
+    };
+    // Scores (lanes a row does not see are masked below).
+    walk(k_cache, [&](int64_t t, int64_t r, const __m512* kv) {
+      const float* qr = qs.data() + r * dim;
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
+      for (int c = 1; c < ND; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), kv[c], a);
+      scores[r * 16 + t] = _mm512_reduce_add_ps(a);
+    });
     // Each row's online-softmax update; its scores become its weights (0 where it does not see).
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = (r / group) % q_len;
@@ -317,23 +320,14 @@ void attend_heads_avx512(const float* q, const float* k_cache, const float* v_ca
       const __m512 rs = _mm512_set1_ps(rescale);
       for (int c = 0; c < ND; ++c) _mm512_storeu_ps(ar + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), rs));
     }
-    // Values, slot by slot.
-    for (int64_t t = 0; t < n; ++t) {
-      if (t < next_n) prefetch_l2(v_cache + (next_slot + t) * stride + h0 * dim, span);
-      for (int64_t h = 0; h < h1 - h0; ++h) {
-        const float* vt = vc + t * stride + h * dim;
-        __m512 vv[ND];
-        for (int c = 0; c < ND; ++c) vv[c] = _mm512_loadu_ps(vt + 16 * c);
-        for (int64_t r = h * per_head; r < (h + 1) * per_head; ++r) {
-          const float p = scores[r * 16 + t];
-          if (p == 0.f) continue;  // masked keys cost nothing more
-          const __m512 pv = _mm512_set1_ps(p);
-          float* ar = acc.data() + r * dim;
-          for (int c = 0; c < ND; ++c)
-            _mm512_storeu_ps(ar + 16 * c, _mm512_fmadd_ps(pv, vv[c], _mm512_loadu_ps(ar + 16 * c)));
-        }
-      }
-    }
+    // Values.
+    walk(v_cache, [&](int64_t t, int64_t r, const __m512* vv) {
+      const float p = scores[r * 16 + t];
+      if (p == 0.f) return;  // masked keys cost nothing more
+      const __m512 pv = _mm512_set1_ps(p);
+      float* ar = acc.data() + r * dim;
+      for (int c = 0; c < ND; ++c) _mm512_storeu_ps(ar + 16 * c, _mm512_fmadd_ps(pv, vv[c], _mm512_loadu_ps(ar + 16 * c)));
+    });
   }
   for (int64_t h = h0; h < h1; ++h)
     for (int64_t i = 0; i < q_len; ++i)
