@@ -121,5 +121,44 @@ def test_triton_kernel_matches_reference_interpreted(tmp_path):
     assert max(errors.values()) < 1e-4, errors
 
 
+# The kernel built without AVX-512: its AVX2 path, which the host's own build (-march=native) skips
+# on a CPU that has AVX-512.
+AVX2_CFLAGS = [*cpu_attention.CFLAGS, "-mno-avx512f"]
+AVX2_SHAPES = [(4, 2, 64, None), (4, 1, 32, 24), (16, 8, 128, None), (24, 8, 128, 20)]
+
+
+def _run_avx2_case(out_path: str) -> None:
+    """Child process: the AVX2 build registers the op before the host's build can."""
+    from worker import cpp_build
+
+    assert cpp_build.build("paged_attention.cpp", AVX2_CFLAGS, "paged attention (AVX2 build)"), "no AVX2 build"
+    cpu_attention.available = lambda: True  # (the op registered above, not the host's build)
+    rng = np.random.default_rng(4)
+    results = {}
+    for case in ("decode", "verify", "mixed"):
+        for heads, kv_heads, dim, window in AVX2_SHAPES:
+            step = random_step(rng, CASES[case], heads, kv_heads, dim, torch.float32)
+            ref = attend("torch", *step, window)
+            results[f"{case}/{heads}/{kv_heads}/{dim}/{window}"] = float((attend("cpp", *step, window) - ref).abs().max())
+    torch.save(results, out_path)
+
+
+def test_avx2_build_matches_reference(tmp_path):
+    if "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("the CPU has no AVX2")
+    out = tmp_path / "avx2.pt"
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "avx2", str(out)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = torch.load(out)
+    assert len(errors) == 3 * len(AVX2_SHAPES)
+    assert max(errors.values()) < 2e-5, errors
+
+
 if __name__ == "__main__":
-    _run_triton_case(sys.argv[1])
+    if sys.argv[1] == "avx2":
+        _run_avx2_case(sys.argv[2])
+    else:
+        _run_triton_case(sys.argv[1])

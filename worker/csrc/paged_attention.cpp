@@ -33,6 +33,11 @@ struct Shapes {
   float scale;
 };
 
+// Prefetch `bytes` from `p` into L2, a cache line at a time (locality 2: prefetcht1).
+inline void prefetch_l2(const float* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, 2);
+}
+
 template <typename scalar_t>
 inline float dot(const float* q, const scalar_t* k, int64_t n) {
   float acc = 0.f;
@@ -112,7 +117,7 @@ void attend_row_head(const scalar_t* q, const scalar_t* k_cache, const scalar_t*
 // times slower at decode and verify rows, and still slower at long contexts where both read the cache
 // at memory speed (benchmarks/bench_attention_kernel.py). Two walks: one KV head at a time with its
 // query rows in registers (attend_row_head_avx512), and, where a slot spans a page, the slots in
-// order with every head of the task (attend_heads_avx512; see there why).
+// order with every head of the task (attend_heads; see there why).
 
 // exp(x) for x <= 0 (scores minus their running max): Cody-Waite range reduction, the Cephes
 // degree-6 polynomial (relative error ~1e-7, like expf) and vscalefps for the 2^n. Lanes below
@@ -235,126 +240,45 @@ bool attend_row_head_avx512(const scalar_t* q, const scalar_t* k_cache, const sc
     return true;
   }
 }
-// Prefetch `bytes` from `p` into L2, a cache line at a time.
-inline void prefetch_l2(const float* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T1);
-}
-
-// KV heads [h0, h1) of one request row, for head_dim = 16 * ND: every query row of those heads (the
-// row's tokens times the heads sharing each KV head) walks the context a chunk of at most 16
-// contiguous slots at a time. A slot holds every KV head side by side, so one head's keys lie a slot
-// apart: where a slot spans a page (a real-size model), walked one head at a time every key is a
-// miss that the hardware prefetcher, which follows a stream within a page, does not foresee, and
-// the walk runs at a fraction of the memory's bandwidth. Here a chunk's keys,
-// then its values, are read slot by slot, every head of the slot in turn (an address stream in
-// order), while the next chunk's slots are prefetched into L2; each query row keeps its scores,
-// running max, denominator and output accumulator in memory between chunks (row r of head h, token
-// i, group member g is ((h - h0) * q_len + i) * group + g).
-template <int ND>
-void attend_heads_avx512(const float* q, const float* k_cache, const float* v_cache, float* out,
-                         const int32_t* block_table, int64_t q0, int64_t q_len, int64_t seq_len, int64_t h0,
-                         int64_t h1, const Shapes& s) {
-  const int64_t group = s.heads / s.kv_heads, dim = s.head_dim, bs = s.block_size, stride = s.kv_stride_slot;
-  const int64_t rows = (h1 - h0) * q_len * group, per_head = q_len * group;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  std::vector<float> qs(rows * dim), acc(rows * dim, 0.f), max_score(rows, neg_inf), denom(rows, 0.f);
-  std::vector<float> scores(rows * 16);
-  std::vector<int64_t> from(q_len), to(q_len);
-  for (int64_t h = h0; h < h1; ++h)
-    for (int64_t i = 0; i < q_len; ++i)
-      for (int64_t g = 0; g < group; ++g) {
-        const float* src = q + (q0 + i) * s.q_stride_t + (h * group + g) * s.q_stride_h;
-        float* dst = qs.data() + (((h - h0) * q_len + i) * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * s.scale;
-      }
-  const int64_t first_pos = seq_len - q_len, last = seq_len - 1, span = (h1 - h0) * dim * 4;
-  auto lo_of = [&](int64_t pos) { return s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : int64_t{0}; };
-  // Keys j .. j+n-1 of a chunk: contiguous slots of one block, the first at `slot`.
-  auto chunk_at = [&](int64_t j, int64_t& slot) {
-    const int64_t blk = j / bs, in_blk = j - blk * bs;
-    slot = static_cast<int64_t>(block_table[blk]) * bs + in_blk;
-    return std::min<int64_t>({16, bs - in_blk, last + 1 - j});
-  };
-  int64_t slot = 0, next_slot = 0;
-  for (int64_t j = lo_of(first_pos), n = chunk_at(j, slot), next_n = 0; j <= last; j += n, n = next_n, slot = next_slot) {
-    next_n = j + n <= last ? chunk_at(j + n, next_slot) : 0;
-    for (int64_t i = 0; i < q_len; ++i)
-      from[i] = std::max<int64_t>(lo_of(first_pos + i) - j, 0), to[i] = std::min<int64_t>(first_pos + i + 1 - j, n);
-    // The chunk's slots of `cache` in order, every head of the task in each: use(t, r, vectors of the
-    // head) for each query row r of the head; the same slot of the next chunk is prefetched.
-    auto walk = [&](const float* cache, auto&& use) {
-      for (int64_t t = 0; t < n; ++t) {
-        if (t < next_n) prefetch_l2(cache + (next_slot + t) * stride + h0 * dim, span);
-        for (int64_t h = 0; h < h1 - h0; ++h) {
-          const float* src = cache + (slot + t) * stride + (h0 + h) * dim;
-          __m512 vec[ND];
-          for (int c = 0; c < ND; ++c) vec[c] = _mm512_loadu_ps(src + 16 * c);
-          for (int64_t r = h * per_head; r < (h + 1) * per_head; ++r) use(t, r, vec);
-        }
-      }
-    };
-    // Scores (lanes a row does not see are masked below).
-    walk(k_cache, [&](int64_t t, int64_t r, const __m512* kv) {
-      const float* qr = qs.data() + r * dim;
-      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
-      for (int c = 1; c < ND; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), kv[c], a);
-      scores[r * 16 + t] = _mm512_reduce_add_ps(a);
-    });
-    // Each row's online-softmax update; its scores become its weights (0 where it does not see).
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = (r / group) % q_len;
-      float* sr = scores.data() + r * 16;
-      if (from[i] >= to[i]) {  // nothing of this chunk is visible to this token
-        _mm512_storeu_ps(sr, _mm512_setzero_ps());
-        continue;
-      }
-      const __mmask16 visible = static_cast<__mmask16>(((1u << to[i]) - 1) & ~((1u << from[i]) - 1));
-      const __m512 sc = _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), visible, sr);
-      const float new_max = std::max(max_score[r], _mm512_reduce_max_ps(sc));
-      const float rescale = std::exp(max_score[r] - new_max);  // 0 on the first visible chunk
-      const __m512 p = exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(new_max)));
-      denom[r] = denom[r] * rescale + _mm512_reduce_add_ps(p);
-      max_score[r] = new_max;
-      _mm512_storeu_ps(sr, p);
-      float* ar = acc.data() + r * dim;
-      const __m512 rs = _mm512_set1_ps(rescale);
-      for (int c = 0; c < ND; ++c) _mm512_storeu_ps(ar + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), rs));
-    }
-    // Values.
-    walk(v_cache, [&](int64_t t, int64_t r, const __m512* vv) {
-      const float p = scores[r * 16 + t];
-      if (p == 0.f) return;  // masked keys cost nothing more
-      const __m512 pv = _mm512_set1_ps(p);
-      float* ar = acc.data() + r * dim;
-      for (int c = 0; c < ND; ++c) _mm512_storeu_ps(ar + 16 * c, _mm512_fmadd_ps(pv, vv[c], _mm512_loadu_ps(ar + 16 * c)));
-    });
-  }
-  for (int64_t h = h0; h < h1; ++h)
-    for (int64_t i = 0; i < q_len; ++i)
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t r = ((h - h0) * q_len + i) * group + g;
-        float* dst = out + (q0 + i) * s.o_stride_t + (h * group + g) * dim;
-        const float inv = 1.f / denom[r];  // > 0: a query always sees itself
-        for (int64_t d = 0; d < dim; ++d) dst[d] = acc[r * dim + d] * inv;
-      }
-}
-
-// KV heads [h0, h1) of a request row on the AVX-512 path; false where it does not apply.
-template <typename scalar_t>
-bool attend_heads_avx512_if(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, scalar_t* out,
-                            const int32_t* block_table, int64_t q0, int64_t q_len, int64_t seq_len, int64_t h0,
-                            int64_t h1, const Shapes& s) {
-  if constexpr (!std::is_same_v<scalar_t, float>) {
-    return false;
-  } else {
-    switch (s.head_dim) {
-      case 32: attend_heads_avx512<2>(q, k_cache, v_cache, out, block_table, q0, q_len, seq_len, h0, h1, s); return true;
-      case 64: attend_heads_avx512<4>(q, k_cache, v_cache, out, block_table, q0, q_len, seq_len, h0, h1, s); return true;
-      case 128: attend_heads_avx512<8>(q, k_cache, v_cache, out, block_table, q0, q_len, seq_len, h0, h1, s); return true;
-      default: return false;
+// The vector steps of the slot walk (attend_heads) in 512-bit registers, for head_dim DIM.
+template <int DIM>
+struct Avx512Walk {
+  static constexpr int ND = DIM / 16;
+  // scores[16 r] = q_r . k for n query rows q_r (DIM apart), the key held in registers for all.
+  static void dots(const float* q, int64_t n, const float* k, float* scores) {
+    __m512 kv[ND];
+    for (int c = 0; c < ND; ++c) kv[c] = _mm512_loadu_ps(k + 16 * c);
+    for (int64_t r = 0; r < n; ++r, q += DIM) {
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), kv[0]);
+      for (int c = 1; c < ND; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), kv[c], a);
+      scores[16 * r] = _mm512_reduce_add_ps(a);
     }
   }
-}
+  // A row's 16 scores of one chunk (keys [from, to) visible) become its weights; its running max and
+  // denominator are updated and its accumulator rescaled.
+  static void update(float* scores, int64_t from, int64_t to, float& max_score, float& denom, float* acc) {
+    const __mmask16 visible = static_cast<__mmask16>(((1u << to) - 1) & ~((1u << from) - 1));
+    const __m512 sc = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), visible, scores);
+    const float new_max = std::max(max_score, _mm512_reduce_max_ps(sc));
+    const float rescale = std::exp(max_score - new_max);  // 0 on the first visible chunk
+    const __m512 p = exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(new_max)));
+    denom = denom * rescale + _mm512_reduce_add_ps(p);
+    max_score = new_max;
+    _mm512_storeu_ps(scores, p);
+    const __m512 rs = _mm512_set1_ps(rescale);
+    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(acc + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), rs));
+  }
+  // acc_r += weights[16 r] * v for n rows' accumulators (DIM apart), the value held in registers.
+  static void axpys(const float* weights, int64_t n, const float* v, float* acc) {
+    __m512 vv[ND];
+    for (int c = 0; c < ND; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+    for (int64_t r = 0; r < n; ++r, acc += DIM) {
+      if (weights[16 * r] == 0.f) continue;  // masked keys cost nothing more
+      const __m512 pv = _mm512_set1_ps(weights[16 * r]);
+      for (int c = 0; c < ND; ++c) _mm512_storeu_ps(acc + 16 * c, _mm512_fmadd_ps(pv, vv[c], _mm512_loadu_ps(acc + 16 * c)));
+    }
+  }
+};
 #endif  // __AVX512F__
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -362,8 +286,8 @@ bool attend_heads_avx512_if(const scalar_t* q, const scalar_t* k_cache, const sc
 // CI machine): 8 keys per chunk, their dot products reduced together and exponentiated in one vector
 // op. The generic path above (a horizontal sum and a scalar expf per key) is a large share of a
 // batch-16 decode step there; this path is faster on a hot cache (benchmarks/results/attention_kernel.txt)
-// but gains less in the engine, where each layer's cache is cold and is read from memory (software
-// prefetching measured no better).
+// but gains less in the engine, where each layer's cache is cold and is read from memory. As on
+// AVX-512, where a slot spans a page the slots are walked in order instead (attend_heads).
 
 // exp(x) for x <= 0, as exp_nonpositive above: 2^n built in the exponent bits; lanes below -87
 // (masked keys are -inf) come out as exactly 0.
@@ -470,6 +394,53 @@ void attend_task_avx2(const float* qs, const float* k_cache, const float* v_cach
   }
 }
 
+// The vector steps of the slot walk (attend_heads) in 256-bit registers, for head_dim DIM.
+template <int DIM>
+struct Avx2Walk {
+  static constexpr int ND = DIM / 8;
+  // As Avx512Walk::dots; a head's vector does not fit the 16 registers beside a row's sums, so each
+  // row reads it from L1.
+  static void dots(const float* q, int64_t n, const float* k, float* scores) {
+    for (int64_t r = 0; r < n; ++r, q += DIM) {
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+      for (int c = 1; c < ND; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), a);
+      scores[16 * r] = reduce_add8(a);
+    }
+  }
+  // As Avx512Walk::update, the 16 scores in two halves.
+  static void update(float* scores, int64_t from, int64_t to, float& max_score, float& denom, float* acc) {
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 sc[2];
+    for (int half = 0; half < 2; ++half) {
+      const __m256 at = _mm256_add_ps(lane, _mm256_set1_ps(8.f * half));
+      const __m256 visible = _mm256_and_ps(_mm256_cmp_ps(at, _mm256_set1_ps(static_cast<float>(from)), _CMP_GE_OQ),
+                                           _mm256_cmp_ps(at, _mm256_set1_ps(static_cast<float>(to)), _CMP_LT_OQ));
+      sc[half] = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()),
+                                  _mm256_loadu_ps(scores + 8 * half), visible);
+    }
+    const float new_max = std::max(max_score, reduce_max8(_mm256_max_ps(sc[0], sc[1])));
+    const float rescale = std::exp(max_score - new_max);  // 0 on the first visible chunk
+    float sum = 0.f;
+    for (int half = 0; half < 2; ++half) {
+      const __m256 p = exp_nonpositive_avx2(_mm256_sub_ps(sc[half], _mm256_set1_ps(new_max)));
+      sum += reduce_add8(p);
+      _mm256_storeu_ps(scores + 8 * half, p);
+    }
+    denom = denom * rescale + sum;
+    max_score = new_max;
+    const __m256 rs = _mm256_set1_ps(rescale);
+    for (int c = 0; c < ND; ++c) _mm256_storeu_ps(acc + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), rs));
+  }
+  static void axpys(const float* weights, int64_t n, const float* v, float* acc) {
+    for (int64_t r = 0; r < n; ++r, acc += DIM) {
+      if (weights[16 * r] == 0.f) continue;  // masked keys cost nothing more
+      const __m256 pv = _mm256_set1_ps(weights[16 * r]);
+      for (int c = 0; c < ND; ++c)
+        _mm256_storeu_ps(acc + 8 * c, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * c), _mm256_loadu_ps(acc + 8 * c)));
+    }
+  }
+};
+
 // The (row, KV head) task on the AVX2 path; false where it does not apply.
 template <typename scalar_t>
 bool attend_row_head_avx2(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, scalar_t* out,
@@ -498,6 +469,98 @@ bool attend_row_head_avx2(const scalar_t* q, const scalar_t* k_cache, const scal
   }
 }
 #endif  // __AVX2__ && __FMA__
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// KV heads [h0, h1) of one request row in fp32, with head_dim DIM and the vector steps of
+// Walk<DIM> (Avx512Walk, Avx2Walk): every query row of those heads (the row's tokens times the heads
+// sharing each KV head) walks the context a chunk of at most 16 contiguous slots at a time. A slot
+// holds every KV head side by side, so one head's keys lie a slot apart: where a slot spans a page
+// (a real-size model), walked one head at a time every key is a miss that the hardware prefetcher,
+// which follows a stream within a page, does not foresee, and the walk runs at a fraction of the
+// memory's bandwidth. Here a chunk's keys, then its values, are read slot by slot, every head of
+// the slot in turn (an address stream in order), while the next chunk's slots are prefetched into
+// L2; each query row keeps its scores, running max, denominator and output accumulator in memory
+// between chunks (row r of head h, token i, group member g is ((h - h0) * q_len + i) * group + g).
+template <template <int> class Walk, int DIM>
+void attend_heads(const float* q, const float* k_cache, const float* v_cache, float* out, const int32_t* block_table,
+                  int64_t q0, int64_t q_len, int64_t seq_len, int64_t h0, int64_t h1, const Shapes& s) {
+  using W = Walk<DIM>;
+  const int64_t group = s.heads / s.kv_heads, bs = s.block_size, stride = s.kv_stride_slot;
+  const int64_t rows = (h1 - h0) * q_len * group, per_head = q_len * group;
+  std::vector<float> qs(rows * DIM), acc(rows * DIM, 0.f), max_score(rows, -std::numeric_limits<float>::infinity()),
+      denom(rows, 0.f), scores(rows * 16);
+  std::vector<int64_t> from(q_len), to(q_len);
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t i = 0; i < q_len; ++i)
+      for (int64_t g = 0; g < group; ++g) {
+        const float* src = q + (q0 + i) * s.q_stride_t + (h * group + g) * s.q_stride_h;
+        float* dst = qs.data() + (((h - h0) * q_len + i) * group + g) * DIM;
+        for (int64_t d = 0; d < DIM; ++d) dst[d] = src[d] * s.scale;
+      }
+  const int64_t first_pos = seq_len - q_len, last = seq_len - 1, span = (h1 - h0) * DIM * 4;
+  auto lo_of = [&](int64_t pos) { return s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : int64_t{0}; };
+  // Keys j .. j+n-1 of a chunk: contiguous slots of one block, the first at `slot`.
+  auto chunk_at = [&](int64_t j, int64_t& slot) {
+    const int64_t blk = j / bs, in_blk = j - blk * bs;
+    slot = static_cast<int64_t>(block_table[blk]) * bs + in_blk;
+    return std::min<int64_t>({16, bs - in_blk, last + 1 - j});
+  };
+  int64_t slot = 0, next_slot = 0;
+  for (int64_t j = lo_of(first_pos), n = chunk_at(j, slot), next_n = 0; j <= last; j += n, n = next_n, slot = next_slot) {
+    next_n = j + n <= last ? chunk_at(j + n, next_slot) : 0;
+    for (int64_t i = 0; i < q_len; ++i)
+      from[i] = std::max<int64_t>(lo_of(first_pos + i) - j, 0), to[i] = std::min<int64_t>(first_pos + i + 1 - j, n);
+    // The chunk's slots of `cache` in order, every head of the task in each: use(t, h, the head's
+    // vector in slot t), h counted from h0; the same slot of the next chunk is prefetched.
+    auto walk = [&](const float* cache, auto&& use) {
+      for (int64_t t = 0; t < n; ++t) {
+        if (t < next_n) prefetch_l2(cache + (next_slot + t) * stride + h0 * DIM, span);
+        for (int64_t h = 0; h < h1 - h0; ++h) use(t, h, cache + (slot + t) * stride + (h0 + h) * DIM);
+      }
+    };
+    // Scores (the lanes a row does not see are masked by update), each row's softmax update, values.
+    walk(k_cache, [&](int64_t t, int64_t h, const float* k) {
+      W::dots(qs.data() + h * per_head * DIM, per_head, k, scores.data() + h * per_head * 16 + t);
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = (r / group) % q_len;
+      if (from[i] >= to[i]) {  // nothing of this chunk is visible to this token
+        std::fill_n(scores.data() + r * 16, 16, 0.f);
+        continue;
+      }
+      W::update(scores.data() + r * 16, from[i], to[i], max_score[r], denom[r], acc.data() + r * DIM);
+    }
+    walk(v_cache, [&](int64_t t, int64_t h, const float* v) {
+      W::axpys(scores.data() + h * per_head * 16 + t, per_head, v, acc.data() + h * per_head * DIM);
+    });
+  }
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t i = 0; i < q_len; ++i)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = ((h - h0) * q_len + i) * group + g;
+        float* dst = out + (q0 + i) * s.o_stride_t + (h * group + g) * DIM;
+        const float inv = 1.f / denom[r];  // > 0: a query always sees itself
+        for (int64_t d = 0; d < DIM; ++d) dst[d] = acc[r * DIM + d] * inv;
+      }
+}
+
+// KV heads [h0, h1) of a request row through the slot walk; false where it does not apply.
+template <template <int> class Walk, typename scalar_t>
+bool attend_heads_if(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, scalar_t* out,
+                     const int32_t* block_table, int64_t q0, int64_t q_len, int64_t seq_len, int64_t h0, int64_t h1,
+                     const Shapes& s) {
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    return false;
+  } else {
+    switch (s.head_dim) {
+      case 32: attend_heads<Walk, 32>(q, k_cache, v_cache, out, block_table, q0, q_len, seq_len, h0, h1, s); return true;
+      case 64: attend_heads<Walk, 64>(q, k_cache, v_cache, out, block_table, q0, q_len, seq_len, h0, h1, s); return true;
+      case 128: attend_heads<Walk, 128>(q, k_cache, v_cache, out, block_table, q0, q_len, seq_len, h0, h1, s); return true;
+      default: return false;
+    }
+  }
+}
+#endif
 
 // q: [T, H, D] (last dim contiguous); k_cache, v_cache: [slots, Hkv, D] contiguous; block_table:
 // [B, max_blocks] int32; query_start, query_len, seq_lens: [B] int32; out: [T, H, D].
@@ -528,10 +591,10 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     // A task is a request row's KV heads [h0, h1): one head where it is walked one head at a time;
-    // where a slot spans a page and AVX-512 walks its slots in order (attend_heads_avx512), as many
+    // where a slot spans a page and the vector paths walk its slots in order (attend_heads), as many
     // heads as leave each thread two tasks.
     bool by_slot = false;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     by_slot = s.kv_heads * s.head_dim * q.element_size() >= 4096;
 #endif
     const int64_t splits =
@@ -545,7 +608,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
         if (q_len == 0) continue;
         const int32_t* table = bt + b * s.max_blocks;
 #if defined(__AVX512F__)
-        if (by_slot && attend_heads_avx512_if(qp, kp, vp, op, table, q0, q_len, lens[b], h0, h1, s)) continue;
+        if (by_slot && attend_heads_if<Avx512Walk>(qp, kp, vp, op, table, q0, q_len, lens[b], h0, h1, s)) continue;
+#elif defined(__AVX2__) && defined(__FMA__)
+        if (by_slot && attend_heads_if<Avx2Walk>(qp, kp, vp, op, table, q0, q_len, lens[b], h0, h1, s)) continue;
 #endif
         for (int64_t h = h0; h < h1; ++h) {
 #if defined(__AVX512F__)
