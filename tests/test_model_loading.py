@@ -264,6 +264,29 @@ def test_tuning_times_our_kernel_and_records_its_rows(tmp_path):
         L._machine(): {"32x32 float32": {"kernel_rows": len(L.TUNE_ROWS), "packed_first": len(L.TUNE_ROWS)}}}
 
 
+@pytest.mark.parametrize("kernel_rows,packed_first,kernel_to,packed_from", [
+    (2, 2, 2, 3),    # our kernel swept fastest at 1-2 rows, oneDNN from 4: 3 rows run oneDNN, not F.linear
+    (0, 3, 0, 5),    # F.linear at 1-4, oneDNN from 8: 5-7 rows run oneDNN
+    (0, 0, 0, 1),    # oneDNN everywhere
+    (4, 7, 8, 65),   # never packed: F.linear past our kernel's 8 rows
+])
+def test_row_counts_between_two_swept_ones_run_the_way_of_the_larger(
+        tmp_path, kernel_rows, packed_first, kernel_to, packed_from):
+    """Only TUNE_ROWS are swept; a 3-row step once ran F.linear (MKL: a GEMV per row) on a weight
+    whose 2- and 4-row sweeps chose our kernel and oneDNN, several times slower than either."""
+    from worker.models import linear as L
+
+    if kernel_rows and not L.linear_kernels_available():
+        pytest.skip("no C++ compiler for our linear kernels")
+    record = tmp_path / "tuning.json"
+    record.write_text(json.dumps({L._machine(): {"32x32 float32": {
+        "kernel_rows": kernel_rows, "packed_first": packed_first}}}))
+    lin = L.Linear(32, 32, bias=False)
+    lin.pack(keep_weight=True)
+    L.tune_linears([lin], timer=lambda: pytest.fail("a recorded shape is not timed"), record=record)
+    assert (lin.kernel_to, lin.packed_from) == (kernel_to, packed_from)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
 @pytest.mark.parametrize("in_features,out_features", [(16, 2), (33, 7), (1031, 65), (3072, 64)])
 def test_our_fp32_kernel_computes_the_linear(rows, in_features, out_features):

@@ -304,7 +304,7 @@ def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float
     for shape, group in shapes.items():
         choice = section[_key(shape)]
         kernel_rows, first = choice["kernel_rows"], choice["packed_first"]
-        packed_from = TUNE_ROWS[first] if first < len(TUNE_ROWS) else TUNE_ROWS[-1] + 1
+        packed_from = _packed_from(first)
         # (A recorded choice of our kernel needs it loaded in this process too, and built here.)
         kernel_to = TUNE_ROWS[kernel_rows - 1] if kernel_rows and linear_kernels_available() else 0
         for lin in group:
@@ -313,6 +313,14 @@ def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float
         chosen.append(f"{_key(shape)} kernel to {kernel_to} rows, {when}")
     if chosen:
         logger.info("linears (%s): %s", "tuned here" if todo else f"as recorded in {record}", ", ".join(chosen))
+
+
+def _packed_from(first: int) -> int:
+    """The fewest rows that run the packed weight when it won the sweeps from TUNE_ROWS[first] on
+    (len: never, past the last). The row counts between two swept ones go with the larger: at 3
+    rows MKL's F.linear costs about three GEMVs where the packed weight costs about what it does at
+    4, so rounding down to F.linear, never timed there, can make a 3-row step several times slower."""
+    return TUNE_ROWS[first - 1] + 1 if first else TUNE_ROWS[0]
 
 
 def tuning_record() -> Path | None:
