@@ -51,6 +51,8 @@ CASES = {
     "decode": [(37, 1), (0, 1), (200, 1), (15, 1), (16, 1)],
     "verify": [(40, 3), (17, 3), (99, 5), (1, 2)],
     "fresh prefill": [(0, 40), (0, 17)],
+    # The C++ prefill kernel's query blocks (64 positions) and key blocks (128 keys), and their edges.
+    "long fresh prefill": [(0, 200), (0, 129), (0, 64), (0, 65)],
     "prefix prefill": [(32, 30), (48, 17)],
     "long prefix prefill": [(40, 300), (100, 260)],  # the log-sum-exp merge (SPLIT_MIN_QUERY)
     "mixed": [(70, 1), (0, 33), (21, 3), (64, 20), (5, 1), (40, 260)],
@@ -123,19 +125,25 @@ def test_triton_kernel_matches_reference_interpreted(tmp_path):
 
 # The kernel built without AVX-512: its AVX2 path, which the host's own build (-march=native) skips
 # on a CPU that has AVX-512.
-AVX2_CFLAGS = [*cpu_attention.CFLAGS, "-mno-avx512f"]
+# The kernels built without AVX-512 (their AVX2 paths) and without either (their scalar paths), which
+# the host's own build (-march=native) skips on a CPU that has AVX-512.
+BUILDS = {"avx2": ["-mno-avx512f"], "scalar": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
 AVX2_SHAPES = [(4, 2, 64, None), (4, 1, 32, 24), (16, 8, 128, None), (24, 8, 128, 20)]
+BUILD_CASES = ("decode", "verify", "mixed", "long fresh prefill")
 
 
-def _run_avx2_case(out_path: str) -> None:
-    """Child process: the AVX2 build registers the op before the host's build can."""
+def _run_build_case(build: str, out_path: str) -> None:
+    """Child process: the build under test registers the ops before the host's build can."""
     from worker import cpp_build
 
-    assert cpp_build.build("paged_attention.cpp", AVX2_CFLAGS, "paged attention (AVX2 build)"), "no AVX2 build"
-    cpu_attention.available = lambda: True  # (the op registered above, not the host's build)
+    flags = [*cpu_attention.CFLAGS, *BUILDS[build]]
+    for source in ("paged_attention.cpp", "prefill_attention.cpp"):
+        assert cpp_build.build(source, flags, f"{source} ({build} build)"), f"no {build} build of {source}"
+    # (the ops registered above, not the host's builds)
+    cpu_attention.available = cpu_attention.prefill_available = lambda: True
     rng = np.random.default_rng(4)
     results = {}
-    for case in ("decode", "verify", "mixed"):
+    for case in BUILD_CASES:
         for heads, kv_heads, dim, window in AVX2_SHAPES:
             step = random_step(rng, CASES[case], heads, kv_heads, dim, torch.float32)
             diff = attend("cpp", *step, window) - attend("torch", *step, window)
@@ -143,22 +151,45 @@ def _run_avx2_case(out_path: str) -> None:
     torch.save(results, out_path)
 
 
-def test_avx2_build_matches_reference(tmp_path):
-    if "avx2" not in Path("/proc/cpuinfo").read_text():
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_other_builds_match_reference(tmp_path, build):
+    if build == "avx2" and "avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("the CPU has no AVX2")
-    out = tmp_path / "avx2.pt"
+    out = tmp_path / f"{build}.pt"
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "avx2", str(out)], env=env,
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), build, str(out)], env=env,
                           capture_output=True, text=True, timeout=600, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     errors = torch.load(out)
-    assert len(errors) == 3 * len(AVX2_SHAPES)
+    assert len(errors) == len(BUILD_CASES) * len(AVX2_SHAPES)
     assert max(errors.values()) < 2e-5, errors
 
 
+def test_prefill_kernel_matches_sdpa_on_a_long_prompt():
+    """A prompt of many query and key blocks, its q a strided view of a fused QKV projection (as in
+    the model), against SDPA (causal, GQA)."""
+    if not cpu_attention.prefill_available():
+        pytest.fail("the C++ prefill attention kernel did not build")
+    torch.manual_seed(5)
+    t, heads, kv_heads, dim = 1000, 16, 8, 128
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, : heads * dim].view(t, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim)
+    out = torch.empty(t, heads, dim)
+    cpu_attention.prefill_attention(q, k, v, dim ** -0.5, out)
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1).unsqueeze(0)
+
+    ref = torch.nn.functional.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v),
+                                                           is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "avx2":
-        _run_avx2_case(sys.argv[2])
+    if sys.argv[1] in BUILDS:
+        _run_build_case(sys.argv[1], sys.argv[2])
     else:
         _run_triton_case(sys.argv[1])

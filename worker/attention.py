@@ -7,9 +7,10 @@ How a row attends depends on its query length:
 - short rows (decode, speculative verify: at most `PAGED_MAX_QUERY` tokens) go to a paged kernel
   that reads the row's blocks in place through its block table: C++ on CPU
   (worker/csrc/paged_attention.cpp), Triton on CUDA (worker/triton_attention.py);
-- prefill chunks run SDPA: causal over their own K/V when nothing is cached before them (no
-  cache read, no mask), else over their context gathered from the cache with a causal mask built
-  on the device.
+- prefill chunks attend causally over their own K/V when nothing is cached before them (no cache
+  read, no mask): the C++ kernel on CPU (worker/csrc/prefill_attention.cpp) where it takes the
+  tensors, else SDPA; a chunk after cached tokens runs SDPA over its context gathered from the
+  cache (below).
 `reference_attention` (dense gather + host-built mask, every row alike) is the torch reference
 the kernels are tested against, and the fallback where no kernel can run (`PDSERVE_ATTENTION=torch`
 forces it).
@@ -50,7 +51,10 @@ def default_backend(device: torch.device) -> str:
         return "triton" if HAS_TRITON else "torch"
     from worker import cpu_attention
 
-    return "cpp" if cpu_attention.available() else "torch"
+    if not cpu_attention.available():
+        return "torch"
+    cpu_attention.prefill_available()  # built now too, not in the first step that prefills
+    return "cpp"
 
 
 @dataclass
@@ -153,7 +157,13 @@ class AttentionContext(CacheWriter):
         if self.max_short_query:
             self._paged(q, k_cache, v_cache, out)
         for row in self.prefill_rows:
-            out[row.start : row.end] = self._prefill(row, q, k, v, k_cache, v_cache)
+            if row.kv_slots is None and row.mask is None and self.backend == "cpp" and _prefill_kernel_takes(q, k, v):
+                from worker import cpu_attention
+
+                rows = slice(row.start, row.end)
+                cpu_attention.prefill_attention(q[rows], k[rows], v[rows], q.shape[-1] ** -0.5, out[rows])
+            else:
+                out[row.start : row.end] = self._prefill(row, q, k, v, k_cache, v_cache)
         return out
 
     def _paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
@@ -197,6 +207,16 @@ class AttentionContext(CacheWriter):
         w_own, w_pre = torch.exp(lse_own - top).unsqueeze(-1), torch.exp(lse_pre - top).unsqueeze(-1)
         out = (out_own.float() * w_own + out_pre.float() * w_pre) / (w_own + w_pre)
         return out[0].transpose(0, 1).to(q.dtype)
+
+
+def _prefill_kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the C++ prefill kernel can attend these (fp32 on CPU, each token's heads contiguous);
+    it is built at engine start, with the paged kernel (default_backend)."""
+    from worker import cpu_attention
+
+    dim = q.shape[-1]
+    return (q.dtype == torch.float32 and q.device.type == "cpu" and cpu_attention.prefill_available()
+            and all(t.stride(-1) == 1 and t.stride(-2) == dim for t in (q, k, v)))
 
 
 class ReferenceLayout:
