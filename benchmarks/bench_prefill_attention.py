@@ -57,7 +57,7 @@ def main() -> None:
                 return F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v),
                                                       is_causal=True, enable_gqa=True)[0].transpose(0, 1)
 
-            def ours(q=q, k=k, v=v, out=out) -> torch.Tensor:
+            def ours(q=q, k=k, v=v, out=out, dim=dim) -> torch.Tensor:
                 cpu_attention.prefill_attention(q, k, v, dim ** -0.5, out)
                 return out
 
