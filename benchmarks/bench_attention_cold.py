@@ -11,9 +11,7 @@ engine. Run it in two checkouts to compare kernels; the median of --reps is prin
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -21,17 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.common import median_seconds  # noqa: E402
+
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 16, 8, 128, 16, 28
 
-
-def median_seconds(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:

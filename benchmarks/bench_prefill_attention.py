@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -18,17 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.common import median_seconds  # noqa: E402
+
 SHAPES = {"0.6b": (16, 8, 128), "bundled": (4, 2, 64)}
 
-
-def median_seconds(fn, reps: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -65,7 +57,7 @@ def main() -> None:
             times: dict[str, list[float]] = {"sdpa": [], "ours": []}
             for r in range(args.rounds):
                 for way in (("sdpa", sdpa), ("ours", ours))[:: 1 if r % 2 == 0 else -1]:
-                    times[way[0]].append(median_seconds(way[1]))
+                    times[way[0]].append(median_seconds(way[1], 5))
             a, b = statistics.median(times["sdpa"]), statistics.median(times["ours"])
             flop = 4 * heads * dim * length * (length + 1) / 2  # the causal half's QK^T and PV
             print(f"  {name:8s} T={length:5d}  sdpa {a * 1e3:8.2f} ms ({flop / a / 1e9:4.0f} GFLOP/s)  "

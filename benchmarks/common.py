@@ -3,7 +3,9 @@ tokenizer-less checkpoints."""
 from __future__ import annotations
 
 import random
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -74,3 +76,14 @@ def ensure_tokenizer(model_dir: str) -> str:
         tok.add_tokens([f"w{i}" for i in range(vocab_size - tok.get_vocab_size())])
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
     return model_dir
+
+
+def median_seconds(fn, reps: int) -> float:
+    """The median wall time of `reps` calls of fn, after one untimed call (builds, caches)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
