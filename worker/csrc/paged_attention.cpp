@@ -278,18 +278,6 @@ inline __m256 sum_lanes8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-inline float reduce_add8(__m256 x) {
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-}
-
-inline float reduce_max8(__m256 x) {
-  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
-}
-
 // All query rows of one (request row, KV head) task -- its q_len tokens times the heads sharing
 // the KV head -- chunk by chunk: a chunk's keys and values are read from memory once and from L1
 // for every other row. In a decode step each layer's cache is cold (the rest of the model passed

@@ -54,9 +54,7 @@ inline float row_max(const float* s, int64_t n) {
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 acc = _mm256_set1_ps(best);
   for (; t + 8 <= n; t += 8) acc = _mm256_max_ps(acc, _mm256_loadu_ps(s + t));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  for (float x : lanes) best = std::max(best, x);
+  best = reduce_max8(acc);
 #endif
   for (; t < n; ++t) best = std::max(best, s[t]);
   return best;
@@ -83,9 +81,7 @@ inline float exp_shifted(float* s, int64_t live, int64_t n, float top) {
     _mm256_storeu_ps(s + t, p);
     acc = _mm256_add_ps(acc, p);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  for (float x : lanes) sum += x;
+  sum = reduce_add8(acc);
 #endif
   for (; t < live; ++t) sum += (s[t] = std::exp(s[t] - top));
   std::fill(s + live, s + n, 0.f);

@@ -1,5 +1,6 @@
-// exp(x) for x <= 0 in SIMD registers, for the softmax of the attention kernels
-// (paged_attention.cpp, prefill_attention.cpp): scores minus their running max are never positive.
+// SIMD pieces of the attention kernels' softmax (paged_attention.cpp, prefill_attention.cpp):
+// exp(x) for x <= 0 (scores minus their running max are never positive), and on AVX2 the sum and
+// max of a register's lanes.
 #pragma once
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -50,4 +51,16 @@ inline __m256 exp_nonpositive_avx2(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(pow2n)), live);
 }
 
+// The sum and the max of x's 8 lanes.
+inline float reduce_add8(__m256 x) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+inline float reduce_max8(__m256 x) {
+  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
+}
 #endif
