@@ -279,9 +279,9 @@ def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float
                  record: Path | None = None) -> None:
     """Set each packed Linear's `kernel_to` and `packed_from`, per weight shape: our kernel
     (linear_kernels.cpp) for the row counts of TUNE_ROWS where it is at least as fast as both
-    libraries from the first one on, then the threshold (one of TUNE_ROWS, or past the last: never) between MKL's
-    F.linear and oneDNN's packed weight that makes the remaining row counts cheapest in all
-    (`_cheapest_first`). At most two linears of a shape are timed, which bounds the cost for a big
+    libraries from the first one on, then the threshold (one of TUNE_ROWS, or past the last: never)
+    between MKL's F.linear and oneDNN's packed weight that makes the remaining row counts cheapest in
+    all (`_cheapest_first`). At most two linears of a shape are timed, which bounds the cost for a big
     model.
 
     The choice is kept in `record` (default: tuning_record(); None when PDSERVE_LINEAR_TUNING=off), a
