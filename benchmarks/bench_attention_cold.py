@@ -24,7 +24,6 @@ from benchmarks.common import median_seconds  # noqa: E402
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 16, 8, 128, 16, 28
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=8)

@@ -22,7 +22,6 @@ from benchmarks.common import median_seconds  # noqa: E402
 SHAPES = {"0.6b": (16, 8, 128), "bundled": (4, 2, 64)}
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="200,512,1400,2048")

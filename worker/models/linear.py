@@ -373,7 +373,8 @@ def _machine() -> str:
         pass
     digest = hashlib.sha1(flags.encode()).hexdigest()[:8]
     ways = "+".join(WAYS)  # a record of other ways (an older pdserve) holds other choices
-    return f"{model} (flags {digest}) | torch {torch.__version__} | {torch.get_num_threads()} threads | {ways}"
+    return (f"{model} (flags {digest}) | torch {torch.__version__} | {torch.get_num_threads()} threads | {ways}"
+            f" | rule {CHOICE_RULE}")
 
 
 def _key(shape: tuple) -> str:
@@ -429,6 +430,9 @@ def _time_each_way(timed: list[Linear], reps: int, timer: Callable[[], float]) -
 # of a 0.44B model's MLP) where it was the faster in the sweeps and in the decode step
 # (benchmarks/results/quantization.md, "Our kernel or a library").
 LIBRARY_MARGIN = 1.15
+# Which rule of `_choose` made a record's choices: a record made under an earlier rule (our kernel
+# held to the margin too) is tuned again rather than read.
+CHOICE_RULE = 2
 
 
 def _choose(seconds: dict[str, list[float]]) -> dict[str, int]:
