@@ -9,6 +9,14 @@ in U+FFFD, i.e. once the byte stream of a byte-level BPE ends on a UTF-8 charact
 A character split over several tokens is therefore never emitted as replacement characters.
 Only at the end (`flush`) is an incomplete trailing sequence emitted as the tokenizer decodes it.
 
+The hold is bounded. U+FFFD is also what invalid bytes decode to for good: a model that emits a
+run of stray byte tokens (a random or broken model, or a sampled one at high temperature) would
+keep the window ending in U+FFFD for ever, so the client would get no text until the end and each
+step would decode a window as long as the output so far. A character's bytes number at most four,
+so once the held ids hold more than an incomplete character can, the text up to the last
+INCOMPLETE_MAX_BYTES ordinary ids is final (those ids hold every byte that could still change it)
+and is emitted, replacement characters and all, as decoding everything at once gives them.
+
 `StopStringMatcher` finds stop strings across piece boundaries. It holds back the longest suffix
 of the unemitted text that is a prefix of some stop string, so no part of a stop string is ever
 emitted: if a stop string started inside already-emitted text, that text would have been a
@@ -19,6 +27,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 REPLACEMENT_CHAR = "\ufffd"
+# The most bytes of an incomplete UTF-8 character (a four-byte character less its last byte).
+INCOMPLETE_MAX_BYTES = 3
 
 
 class IncrementalDetokenizer:
@@ -29,6 +39,8 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # start of the context window (start of the last emitted piece)
         self._read_offset = 0    # ids[:read_offset] are fully reflected in the emitted text
         self.text = ""           # everything emitted so far
+        # Ids that decode to no bytes of the stream (special tokens) cannot finish a character.
+        self._special = set(getattr(tokenizer, "all_special_ids", ()) or ())
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:
@@ -51,17 +63,34 @@ class IncrementalDetokenizer:
         context = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         window = self._decode(self.token_ids[self._prefix_offset :])
         if not final and window.endswith(REPLACEMENT_CHAR):
-            return ""  # an incomplete UTF-8 sequence: wait for the bytes that finish it
+            return self._release_settled(context, window)  # wait for the bytes that finish it
         if len(window) <= len(context):
             # Nothing new yet (e.g. only skipped special tokens); keep the window as it is.
             if final:
                 self._read_offset = len(self.token_ids)
             return ""
-        delta = window[len(context):]
+        return self._emit(window[len(context):], len(self.token_ids))
+
+    def _emit(self, delta: str, read_to: int) -> str:
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self.token_ids)
+        self._read_offset = read_to
         self.text += delta
         return delta
+
+    def _release_settled(self, context: str, window: str) -> str:
+        """The window ends in U+FFFD: emit the text before the last INCOMPLETE_MAX_BYTES ordinary ids
+        where no later byte can change it any more (none while the held ids are that few)."""
+        ids, last_cut, ordinary = self.token_ids, len(self.token_ids), 0
+        while last_cut > self._read_offset and ordinary < INCOMPLETE_MAX_BYTES:
+            last_cut -= 1
+            ordinary += ids[last_cut] not in self._special
+        # A cut inside a character that the ids after it complete would decode that character as
+        # U+FFFD on its left: the text left of a good cut is where the whole window has it.
+        for cut in range(last_cut, self._read_offset, -1):
+            settled = self._decode(ids[self._prefix_offset : cut])
+            if len(settled) > len(context) and window.startswith(settled):
+                return self._emit(settled[len(context):], cut)
+        return ""
 
 
 class StopStringMatcher:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenTexts
+from server.detokenizer import INCOMPLETE_MAX_BYTES, IncrementalDetokenizer, StopStringMatcher, TokenTexts
 
 SPECIALS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]  # ids 0, 1 (eos, as in make_checkpoint), 2
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -111,6 +111,36 @@ def test_flush_emits_an_incomplete_tail_like_decode(tokenizer):
     pieces = stream(tokenizer, partial)
     assert "".join(pieces) == decode(tokenizer, partial)
     assert "\ufffd" not in "".join(pieces[:-1])
+
+
+def test_a_run_of_stray_bytes_streams_as_it_comes(tokenizer):
+    # A lone continuation byte decodes to U+FFFD whatever follows it. A model emitting a run of them
+    # must not hold the whole output back to the end (nor decode an ever longer window each step):
+    # all but the last few are final and stream, as decoding all the ids at once renders them.
+    stray = tokenizer.convert_tokens_to_ids("¤")  # byte 0xA4: a continuation byte
+    assert decode(tokenizer, [stray]) == "\ufffd"
+    head, tail = tokenizer.encode("ok", add_special_tokens=False), tokenizer.encode(" end 😀", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    detok.push(head)
+    for k in range(1, 41):
+        detok.push([stray])
+        assert detok.text == "ok" + "\ufffd" * max(0, k - INCOMPLETE_MAX_BYTES)
+    rest = [detok.push([t]) for t in tail] + [detok.flush()]
+    assert detok.text == decode(tokenizer, head + [stray] * 40 + tail) == "ok" + "\ufffd" * 40 + " end 😀"
+    assert "😀" in "".join(rest)
+
+
+def test_a_character_after_stray_bytes_is_still_whole(tokenizer):
+    # The cut never falls inside a character: its bytes, arriving one token at a time after the
+    # stray run, still come out as the character.
+    stray = tokenizer.convert_tokens_to_ids("¤")
+    emoji = [tokenizer.convert_tokens_to_ids(c) for c in ("ð", "Ł", "ĺ", "Ģ")]  # bytes F0 9F 98 80: 😀
+    assert decode(tokenizer, emoji) == "😀"
+    ids = [stray] * 6 + emoji + [stray] * 2 + emoji
+    for sizes in ([1], [2], [3], [5], [1, 4]):
+        pieces = stream(tokenizer, ids, sizes)
+        assert "".join(pieces) == decode(tokenizer, ids) == "\ufffd" * 6 + "😀" + "\ufffd" * 2 + "😀"
+        assert sum(p.count("😀") for p in pieces) == 2
 
 
 def test_special_tokens_skipped_or_kept(tokenizer):
