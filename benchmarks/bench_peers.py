@@ -84,9 +84,6 @@ from server.procs import stop_process_group  # noqa: E402
 logger = logging.getLogger("bench_peers")
 
 
-# -- the checkpoint -----------------------------------------------------------------------------
-
-
 # -- workloads ----------------------------------------------------------------------------------
 
 
@@ -545,9 +542,6 @@ def targets(summary: dict[str, Any], offline: list[Offline]) -> list[str]:
     out = ["## Issue 11 targets", "", "| target | measured | met |", "|---|---|---|"]
     out += [f"| {t} | {m} | {'—' if ok is None else 'yes' if ok else 'no'} |" for t, m, ok in rows]
     return out + [""]
-
-
-# -- metadata -----------------------------------------------------------------------------------
 
 
 # -- main ---------------------------------------------------------------------------------------
