@@ -39,8 +39,6 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # start of the context window (start of the last emitted piece)
         self._read_offset = 0    # ids[:read_offset] are fully reflected in the emitted text
         self.text = ""           # everything emitted so far
-        # Ids that decode to no bytes of the stream (special tokens) cannot finish a character.
-        self._special = set(getattr(tokenizer, "all_special_ids", ()) or ())
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:
@@ -81,9 +79,10 @@ class IncrementalDetokenizer:
         """The window ends in U+FFFD: emit the text before the last INCOMPLETE_MAX_BYTES ordinary ids
         where no later byte can change it any more (none while the held ids are that few)."""
         ids, last_cut, ordinary = self.token_ids, len(self.token_ids), 0
+        special = _special_ids(self.tokenizer)
         while last_cut > self._read_offset and ordinary < INCOMPLETE_MAX_BYTES:
             last_cut -= 1
-            ordinary += ids[last_cut] not in self._special
+            ordinary += ids[last_cut] not in special
         # A cut inside a character that the ids after it complete would decode that character as
         # U+FFFD on its left: the text left of a good cut is where the whole window has it.
         for cut in range(last_cut, self._read_offset, -1):
@@ -91,6 +90,13 @@ class IncrementalDetokenizer:
             if len(settled) > len(context) and window.startswith(settled):
                 return self._emit(settled[len(context):], cut)
         return ""
+
+
+@lru_cache(maxsize=8)
+def _special_ids(tokenizer) -> frozenset[int]:
+    """Ids that decode to no bytes of the stream (special tokens): they cannot finish a character.
+    Once per tokenizer, not per request: a transformers tokenizer builds the list on each access."""
+    return frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
 
 
 class StopStringMatcher:
