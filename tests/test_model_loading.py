@@ -116,6 +116,34 @@ def test_packed_linear_matches_f_linear(rows):
         torch.testing.assert_close(lin(x), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_gate_up_computes_silu_and_mul_as_post_ops(bias):
+    """A packed GateUpLinear multiplies the rows that run packed by its two halves, SiLU and the
+    product fused into oneDNN's GEMMs; fewer rows go the plain way. Both equal the expanded form,
+    and its forward still returns the stacked projection."""
+    from worker.models.linear import GateUpLinear
+
+    torch.manual_seed(int(bias))
+    lin = GateUpLinear(48, 40, bias=bias)
+    lin.pack(keep_weight=True)
+    lin.packed_from = 4
+    binary = torch.ops.mkldnn._linear_pointwise.binary
+    calls = []
+    with torch.inference_mode():
+        for rows in (1, 3, 4, 17):
+            x = torch.randn(rows, 48)
+            stacked = torch.nn.functional.linear(x, lin.weight, lin.bias)
+            gate, up = stacked.chunk(2, dim=-1)
+            torch.ops.mkldnn._linear_pointwise.binary = lambda *a, **k: calls.append(rows) or binary(*a, **k)
+            try:
+                got = lin.silu_and_mul(x)
+            finally:
+                torch.ops.mkldnn._linear_pointwise.binary = binary
+            torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lin(x), stacked, atol=1e-5, rtol=1e-5)
+    assert calls == [4, 17]
+
+
 def test_a_tuned_linear_runs_f_linear_below_its_threshold_and_oneDNN_from_it():
     from worker.models.linear import Linear
 

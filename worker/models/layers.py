@@ -10,12 +10,11 @@ import math
 from typing import NamedTuple, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
 from worker import fused_ops
-from worker.models.linear import Linear
+from worker.models.linear import GateUpLinear, Linear
 
 
 class AttentionBackend(Protocol):
@@ -133,12 +132,11 @@ class MLP(nn.Module):
         super().__init__()
         bias = bool(cfg.raw.get("mlp_bias", False))
         n = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * n, bias=bias, shards={"gate_proj": n, "up_proj": n})
+        self.gate_up_proj = GateUpLinear(cfg.hidden_size, n, bias=bias)
         self.down_proj = Linear(n, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class DecoderLayer(nn.Module):

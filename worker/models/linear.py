@@ -58,7 +58,8 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         # Checkpoint tensor name (sibling of this module) -> number of rows, in stacking order.
         self.shards = shards
-        self.packed: torch.Tensor | None = None
+        # oneDNN-reordered weight (pack); a GateUpLinear's is its gate and up halves, packed apart.
+        self.packed: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
         self.packed_from = 0  # inputs of at least this many rows use `packed` (set by tune_linears)
         self.kernel_to = 0  # fp32: inputs of at most this many rows use our kernel (set by tune_linears)
         self.bf16: torch.Tensor | None = None  # set by keep_bf16 (and store_bf16)
@@ -75,10 +76,13 @@ class Linear(nn.Linear):
         if x.shape[0] <= self.kernel_to:
             return torch.ops.pdserve_linear.linear_f32w(x.contiguous(), self.weight, self.bias)
         if self.packed is not None and x.shape[0] >= self.packed_from:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return self._packed_forward(x)
         if self.weight.dtype != x.dtype:  # a bf16-stored weight (store_bf16): fp32 arithmetic all the same
             return linear_widening(x, self.weight, None, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.int8 is not None and self.scale is not None
@@ -131,6 +135,49 @@ class Linear(nn.Linear):
             self.int8_way, self.scale = "int8pack", self.scale.to(weight.dtype)
         else:
             self.int8_way = "widen"
+
+
+class GateUpLinear(Linear):
+    """A gated MLP's gate_proj and up_proj stacked into one weight, with `silu_and_mul`.
+
+    Packed, its halves are reordered apart (the same bytes as the stack): for inputs that run packed,
+    oneDNN applies SiLU to the gate GEMM's output and multiplies the up GEMM's by it as post-ops, so
+    the [rows, 2 * n] projection is never written out and read back. On a long prompt that round
+    trip, with the separate activation and product, took longer than the fused GEMMs add
+    (benchmarks/results/mlp.txt)."""
+
+    def __init__(self, in_features: int, intermediate_size: int, bias: bool) -> None:
+        n = intermediate_size
+        super().__init__(in_features, 2 * n, bias=bias, shards={"gate_proj": n, "up_proj": n})
+        self.bias_halves: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+
+    def pack(self, keep_weight: bool) -> None:
+        n = self.out_features // 2
+        with torch.no_grad():
+            w = self.weight.detach()
+            self.packed = (torch.ops.mkldnn._reorder_linear_weight(w[:n].contiguous(), None),
+                           torch.ops.mkldnn._reorder_linear_weight(w[n:].contiguous(), None))
+            if self.bias is not None:
+                self.bias_halves = (self.bias[:n].contiguous(), self.bias[n:].contiguous())
+        if not keep_weight:
+            self.drop_plain()
+
+    def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert isinstance(self.packed, tuple)
+        return torch.cat([torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+                          for w, b in zip(self.packed, self.bias_halves)], dim=-1)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """SiLU(x @ gate^T + b_gate) * (x @ up^T + b_up)."""
+        # The packed weight serves x where forward would run it; a linear with a bf16 copy (keep_bf16)
+        # runs it for few rows first, and int8 or bf16-stored linears are never packed.
+        rows = x.shape[0]
+        if isinstance(self.packed, tuple) and self.bf16 is None and rows > self.kernel_to and rows >= self.packed_from:
+            (gate, up), (gate_bias, up_bias) = self.packed, self.bias_halves
+            activated = torch.ops.mkldnn._linear_pointwise(x, gate, gate_bias, "swish", [], "")
+            return torch.ops.mkldnn._linear_pointwise.binary(x, activated, up, up_bias, "mul")
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 # Inputs of at most this many rows use a Linear's bf16 weight: up to 8 rows the bf16 kernel beats fp32
