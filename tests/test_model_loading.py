@@ -134,7 +134,7 @@ def test_packed_gate_up_computes_silu_and_mul_as_post_ops(bias):
             x = torch.randn(rows, 48)
             stacked = torch.nn.functional.linear(x, lin.weight, lin.bias)
             gate, up = stacked.chunk(2, dim=-1)
-            torch.ops.mkldnn._linear_pointwise.binary = lambda *a, **k: calls.append(rows) or binary(*a, **k)
+            torch.ops.mkldnn._linear_pointwise.binary = lambda *a, n=rows, **k: calls.append(n) or binary(*a, **k)
             try:
                 got = lin.silu_and_mul(x)
             finally:
