@@ -233,28 +233,42 @@ def test_a_later_engine_runs_what_the_first_one_chose(tmp_path):
     assert calls[0] > timed and later.packed_from > L.TUNE_ROWS[-1]  # timed here: never packed
 
 
-def test_pack_linears_frees_the_weight_it_never_runs(monkeypatch):
+def test_pack_linears_frees_the_weight_it_never_runs(tmp_path, monkeypatch):
+    """Each linear keeps just the copies of its weight some row count runs: the plain one only where
+    F.linear serves a row count or it is shared, the packed one only where it serves one, our
+    kernel's panels only where the kernel serves one; every way computes the same linear."""
     from worker.models import linear as L
 
+    kernel = L.linear_kernels_available()
+    n = len(L.TUNE_ROWS)
+    choices = {  # out_features: (kernel_rows, packed_first)
+        8: (0, 0),   # packed everywhere
+        16: (0, n),  # F.linear everywhere
+        24: (0, 2),  # F.linear to 2 rows, packed from 3
+        32: (2, 2),  # our kernel to 2 rows, packed from 3
+        40: (n, n),  # our kernel to 64 rows, F.linear past them
+        48: (2, 2),  # as 32, but shared
+    }
+    record = tmp_path / "tuning.json"
+    record.write_text(json.dumps({L._machine(): {f"32x{out} float32": {"kernel_rows": k, "packed_first": p}
+                                                 for out, (k, p) in choices.items()}}))
+    monkeypatch.setenv("PDSERVE_LINEAR_TUNING", str(record))
     torch.manual_seed(1)
-    always, never, mixed = (L.Linear(32, 32, bias=False) for _ in range(3))
-    model = torch.nn.Sequential(always, never, mixed)
-    choice = {id(always): 0, id(never): L.TUNE_ROWS[-1] + 1, id(mixed): 8}
-
-    def fake_tune(linears):
-        for lin in linears:
-            lin.packed_from = choice[id(lin)]
-
-    monkeypatch.setattr(L, "tune_linears", fake_tune)
-    x = torch.randn(3, 32)
+    lins = {out: L.Linear(32, out, bias=False) for out in choices}
+    xs = [torch.randn(rows, 32) for rows in (1, 3, 9, 70)]
     with torch.inference_mode():
-        want = [torch.nn.functional.linear(x, m.weight) for m in model]
-        L.pack_linears(model, "cpu", shared=set())
-        assert always.weight.numel() == 0 and always.packed is not None
-        assert never.packed is None and never.weight.numel() == 32 * 32
-        assert mixed.packed is not None and mixed.weight.numel() == 32 * 32
-        for m, w in zip(model, want):
-            torch.testing.assert_close(m(x), w, atol=1e-5, rtol=1e-5)
+        want = {out: [torch.nn.functional.linear(x, lin.weight) for x in xs] for out, lin in lins.items()}
+        L.pack_linears(torch.nn.Sequential(*lins.values()), "cpu", shared={id(lins[48].weight)})
+        held = {out: (lin.weight.numel() > 0, lin.packed is not None, lin.panels is not None)
+                for out, lin in lins.items()}
+        assert held[8] == (False, True, False) and held[16] == (True, False, False)
+        assert held[24] == (True, True, False)
+        if kernel:
+            assert held[32] == (False, True, True) and held[40] == (True, False, True)
+            assert held[48] == (True, True, True)
+        for out, lin in lins.items():
+            for x, w in zip(xs, want[out]):
+                torch.testing.assert_close(lin(x), w, atol=1e-5, rtol=1e-5)
 
 
 def test_our_kernel_runs_the_row_counts_where_it_beats_both_libraries_from_the_first_on():
@@ -270,6 +284,11 @@ def test_our_kernel_runs_the_row_counts_where_it_beats_both_libraries_from_the_f
     # Never faster at the first row count: never used, even where it wins later.
     assert _choose({"kernel": [2.5] + [0.1] * (n - 1), "plain": [2.0] * n, "packed": [3.0] * n}) == {
         "kernel_rows": 0, "packed_first": n}
+    # Fastest at every row count: the last one still picks the library for bigger inputs.
+    assert _choose({"kernel": [0.5] * n, "plain": [2.0] * n, "packed": [1.0] * n}) == {
+        "kernel_rows": n, "packed_first": n - 1}
+    assert _choose({"kernel": [0.5] * n, "plain": [1.0] * n, "packed": [2.0] * n}) == {
+        "kernel_rows": n, "packed_first": n}
 
 
 def test_tuning_times_our_kernel_and_records_its_rows(tmp_path):
@@ -297,7 +316,8 @@ def test_tuning_times_our_kernel_and_records_its_rows(tmp_path):
     (2, 2, 2, 3),    # our kernel swept fastest at 1-2 rows, oneDNN from 4: 3 rows run oneDNN, not F.linear
     (0, 3, 0, 5),    # F.linear at 1-4, oneDNN from 8: 5-7 rows run oneDNN
     (0, 0, 0, 1),    # oneDNN everywhere
-    (4, 7, 8, 65),   # never packed: F.linear past our kernel's 8 rows
+    (4, 7, 8, None),   # never packed: F.linear past our kernel's 8 rows
+    (7, 6, 64, 65),    # our kernel at every swept row count; oneDNN, chosen at 64, past them
 ])
 def test_row_counts_between_two_swept_ones_run_the_way_of_the_larger(
         tmp_path, kernel_rows, packed_first, kernel_to, packed_from):
@@ -313,14 +333,15 @@ def test_row_counts_between_two_swept_ones_run_the_way_of_the_larger(
     lin = L.Linear(32, 32, bias=False)
     lin.pack(keep_weight=True)
     L.tune_linears([lin], timer=lambda: pytest.fail("a recorded shape is not timed"), record=record)
-    assert (lin.kernel_to, lin.packed_from) == (kernel_to, packed_from)
+    assert (lin.kernel_to, lin.packed_from) == (kernel_to, packed_from or L.NEVER_PACKED)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17])
 @pytest.mark.parametrize("in_features,out_features", [(16, 2), (33, 7), (1031, 65), (3072, 64)])
 def test_our_fp32_kernel_computes_the_linear(rows, in_features, out_features):
-    """Every path of the kernel: 1-4 rows at a time, odd feature counts, K tails past the SIMD width;
-    fp32 sums in another order than MKL's, so equal up to rounding."""
+    """Every path of the kernel: whole passes of rows over a panel and each shorter last pass, a
+    last panel of fewer features, odd input widths; fp32 sums in another order than MKL's, so
+    equal up to rounding."""
     from worker.models import linear as L
 
     if not L.linear_kernels_available():
@@ -328,7 +349,8 @@ def test_our_fp32_kernel_computes_the_linear(rows, in_features, out_features):
     torch.manual_seed(rows * 1000 + in_features)
     lin = L.Linear(in_features, out_features, bias=True)
     lin.pack(keep_weight=True)
-    lin.kernel_to, lin.packed_from = 8, 9
+    lin.use_kernel(17)
+    lin.packed_from = 18
     x = torch.randn(rows, in_features)
     with torch.inference_mode():
         want = x.double() @ lin.weight.double().T + lin.bias.double()

@@ -128,7 +128,10 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
     # bf16-weight drafter, whose fused op multiplies bigger inputs by the plain fp32 weight, and
     # the linears stored narrow below.
     skip = ([model.model.layers] if compiled else []) + ([model.model.mtp_layers] if bf16_weights else [])
-    pack_linears(model, device, shared={id(model.model.embed_tokens.weight)}, skip=skip + narrow_bf16 + narrow_int8)
+    # Plain weights read after packing: a tied embedding's, and lm_head's where a drafter's head
+    # takes it over (set_bf16_draft_head, gemm_weight).
+    shared = {id(model.model.embed_tokens.weight)} | ({id(model.lm_head.weight)} if num_mtp_layers else set())
+    pack_linears(model, device, shared=shared, skip=skip + narrow_bf16 + narrow_int8)
     for lin in narrow_bf16:
         lin.store_bf16()
     for lin in narrow_int8:

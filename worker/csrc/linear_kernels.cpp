@@ -1,9 +1,9 @@
-// The linears of a decode step for weights stored as fp32 or int8 (skinny_linear.h).
+// The linears of a decode step for weights stored as fp32 (panel_linear.h) or int8 (skinny_linear.h).
 //
-// linear_f32w: an fp32 weight. For a few rows MKL's and oneDNN's fp32 GEMMs read the weight well
-// below the rate one core streams memory (benchmarks/results/quantization.md); which of the three
-// runs a given weight shape and row count is measured per machine (worker/models/linear.py,
-// tune_linears).
+// linear_f32w: an fp32 weight in panels (panel_width() output features each). For a few rows MKL's
+// and oneDNN's fp32 GEMMs read the weight well below the rate the cores stream memory
+// (benchmarks/results/quantization.md); which of the three runs a given weight shape and row count
+// is measured per machine (worker/models/linear.py, tune_linears).
 //
 // linear_int8w: int8 weights with one fp32 scale per output feature (weight-only, per-channel
 // symmetric: --quantization int8). Why a kernel of ours: torch's own weight-only int8 op
@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "panel_linear.h"
 #include "skinny_linear.h"
 
 namespace {
@@ -37,13 +38,19 @@ void check_weight(const at::Tensor& x, const at::Tensor& weight, at::ScalarType 
               "weight must be a contiguous [out, in] ", what, " CPU tensor matching x's columns");
 }
 
-at::Tensor linear_f32w(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+int64_t panel_width() { return panel::P; }
+
+at::Tensor linear_f32w(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias) {
   const float* xp = checked_input(x);
-  check_weight(x, weight, at::kFloat, "float32");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
+                  panels.dim() == 3 && panels.size(0) == (N + panel::P - 1) / panel::P && panels.size(1) == K &&
+                  panels.size(2) == panel::P,
+              "panels must be a contiguous [ceil(out / P), in, P] float32 CPU tensor, P = panel_width()");
   const float* b = checked_per_feature(bias, N, "bias");
   at::Tensor y = at::empty({M, N}, x.options());
-  skinny::linear<skinny::F32>(xp, M, K, weight.data_ptr<float>(), nullptr, b, y.data_ptr<float>(), N);
+  panel::linear(xp, M, K, panels.data_ptr<float>(), b, y.data_ptr<float>(), N);
   return y;
 }
 
@@ -62,7 +69,8 @@ at::Tensor linear_int8w(const at::Tensor& x, const at::Tensor& weight, const at:
 }  // namespace
 
 TORCH_LIBRARY(pdserve_linear, m) {
-  m.def("linear_f32w(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("panel_width() -> int", &panel_width);
+  m.def("linear_f32w(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
   m.def("linear_int8w(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
 }
 

@@ -1,10 +1,11 @@
-// y = x @ (w * scale)^T (+ bias) for a few fp32 input rows: the linear of a decode or draft step.
+// y = x @ (w * scale)^T (+ bias) for a few fp32 input rows and a weight stored narrower than fp32:
+// the linear of a decode or draft step with bf16 or int8 weights (fp32 ones: panel_linear.h).
 //
 // Such a step multiplies a handful of rows by every weight of the layer, and those weights come
 // from memory each step, so the step waits on memory, not arithmetic: what counts is streaming the
-// weight at the rate the core reads memory. One loop serves every way a weight is stored -- fp32,
-// bf16, int8 with a scale per output feature -- converting each weight to fp32 as it is read; all
-// arithmetic is fp32 (docs/architecture.md, "Weights and kernels").
+// weight at the rate the core reads memory. One loop serves both narrow storages -- bf16, int8 with a
+// scale per output feature -- converting each weight to fp32 as it is read; all arithmetic is fp32
+// (docs/architecture.md, "Weights and kernels").
 //
 // Loop order: blocks of W::NB output features whose weight rows stay in L1 while every input row
 // passes over them, so the weight is read from memory once whatever the row count. Inside a block,
@@ -32,18 +33,6 @@ namespace skinny {
 
 // How each storage type turns into fp32: 16 lanes (AVX-512), 8 lanes (AVX2), one element.
 // NB keeps a block's weight rows (NB * K elements) within L1 for the K of real models.
-struct F32 {
-  using T = float;
-  static constexpr int64_t NB = 2;
-#ifdef PDSERVE_AVX512
-  static __m512 load16(const T* w) { return _mm512_loadu_ps(w); }
-#endif
-#ifdef PDSERVE_AVX2
-  static __m256 load8(const T* w) { return _mm256_loadu_ps(w); }
-#endif
-  static float one(T w) { return w; }
-};
-
 struct BF16 {
   using T = uint16_t;
   static constexpr int64_t NB = 8;

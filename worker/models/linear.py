@@ -37,6 +37,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -62,6 +63,7 @@ class Linear(nn.Linear):
         self.packed: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
         self.packed_from = 0  # inputs of at least this many rows use `packed` (set by tune_linears)
         self.kernel_to = 0  # fp32: inputs of at most this many rows use our kernel (set by tune_linears)
+        self.panels: torch.Tensor | None = None  # the fp32 weight as our kernel reads it (pack_panels)
         self.bf16: torch.Tensor | None = None  # set by keep_bf16 (and store_bf16)
         self.bf16_max_rows = BF16_MAX_ROWS  # inputs of at most this many rows use `bf16`
         self.int8: torch.Tensor | None = None  # [out, in] int8, set by quantize_int8
@@ -74,7 +76,7 @@ class Linear(nn.Linear):
         if self.bf16 is not None and x.shape[0] <= self.bf16_max_rows and x.dtype == torch.float32:
             return torch.ops.pdserve_bf16.linear_bf16w(x.contiguous(), self.bf16, self.bias)
         if x.shape[0] <= self.kernel_to:
-            return torch.ops.pdserve_linear.linear_f32w(x.contiguous(), self.weight, self.bias)
+            return torch.ops.pdserve_linear.linear_f32w(x.contiguous(), self.panels, self.out_features, self.bias)
         if self.packed is not None and x.shape[0] >= self.packed_from:
             return self._packed_forward(x)
         if self.weight.dtype != x.dtype:  # a bf16-stored weight (store_bf16): fp32 arithmetic all the same
@@ -104,6 +106,24 @@ class Linear(nn.Linear):
 
     def drop_plain(self) -> None:
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+    def use_kernel(self, rows: int) -> None:
+        """Run inputs of at most `rows` rows through our kernel (0: none), which reads its own copy of
+        the weight (pack_panels, made on first use)."""
+        if rows and self.panels is None:
+            self.panels = pack_panels(self.weight.detach())
+        self.kernel_to = rows
+
+    def free_unused(self, keep_plain: bool) -> None:
+        """After tuning: free the copies of the weight that no row count runs. The plain one goes
+        where our kernel and the packed weight cover every row count, unless `keep_plain` (a weight
+        read elsewhere: a tied embedding, a drafter's head)."""
+        if not self.kernel_to:
+            self.panels = None
+        if self.packed_from == NEVER_PACKED:
+            self.packed = None  # F.linear (or our kernel) at every row count
+        elif self.packed_from <= self.kernel_to + 1 and not keep_plain:
+            self.drop_plain()
 
     def keep_bf16(self, weight: torch.Tensor) -> None:
         """Multiply inputs of few rows by `weight` rounded to bfloat16 (in fp32 arithmetic; needs
@@ -218,6 +238,15 @@ LINEAR_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 WIDEN_BLOCK = 512
 
 
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 [out, in] weight as our kernel reads it (worker/csrc/panel_linear.h): panels of
+    P = panel_width() output features, [ceil(out / P), in, P], the last one padded with zeros."""
+    width = torch.ops.pdserve_linear.panel_width()
+    out_features, in_features = weight.shape
+    padded = F.pad(weight, (0, 0, 0, -out_features % width))
+    return padded.view(-1, width, in_features).transpose(1, 2).contiguous()
+
+
 def linear_widening(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                     bias: torch.Tensor | None) -> torch.Tensor:
     """x @ (weight * scale)^T (+ bias) for a narrow weight (bf16, or int8 with a scale per output
@@ -300,30 +329,26 @@ def can_pack(dtype: torch.dtype, device: str) -> bool:
 
 def pack_linears(model: nn.Module, device: str, shared: set[int], skip: Sequence[nn.Module] = ()) -> None:
     """Pack every `Linear` of `model` whose dtype oneDNN handles well here, then choose per weight
-    shape between the packed and the plain weight by row count (`tune_linears`) and free what is
-    never used; weights whose id is in `shared` (tied embeddings) are always kept. Linears inside
-    the modules of `skip` stay plain."""
+    shape between our kernel, the plain and the packed weight by row count (`tune_linears`) and free
+    what is never used; plain weights whose id is in `shared` (tied embeddings, a drafter's head)
+    are always kept. Linears inside the modules of `skip` stay plain."""
     unpacked = {id(m) for part in skip for m in part.modules()}
     packed = [m for m in model.modules() if isinstance(m, Linear) and id(m) not in unpacked
               and m.int8 is None and m.weight.numel() and can_pack(m.weight.dtype, device)]
     for module in packed:
         module.pack(keep_weight=True)
-    tune_linears(packed)
-    for module in packed:
-        if module.packed_from > TUNE_ROWS[-1]:
-            module.packed = None  # F.linear (or our kernel) at every row count
-        elif module.packed_from <= TUNE_ROWS[0] and id(module.weight) not in shared:
-            module.drop_plain()
+    tune_linears(packed, shared=shared)
 
 
-# Row counts at which tune_linears times both weights. Above the last, the choice made at the last
-# stands (both are compute-bound GEMMs there, alike within a few percent at 64..1536 rows): a
-# threshold past it means F.linear at every row count, and the packed weight is freed.
+# Row counts at which tune_linears times each way. Above the last, the library chosen at the last
+# stands (both are compute-bound GEMMs there, alike within a few percent at 64..1536 rows):
+# NEVER_PACKED means F.linear at every row count past our kernel's, and the packed weight is freed.
 TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+NEVER_PACKED = sys.maxsize  # a Linear's packed_from where no row count runs the packed weight
 
 
 def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float] = time.perf_counter,
-                 record: Path | None = None) -> None:
+                 record: Path | None = None, shared: set[int] | None = None) -> None:
     """Set each packed Linear's `kernel_to` and `packed_from`, per weight shape: our kernel
     (linear_kernels.cpp) for the row counts of TUNE_ROWS where it is at least as fast as both
     libraries from the first one on, then the threshold (one of TUNE_ROWS, or past the last: never)
@@ -335,7 +360,11 @@ def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float
     JSON file per machine: an engine takes a shape's choice from there when an engine before it
     (or its sibling, starting at the same moment: a file lock orders them) made one. Some shapes are
     near-ties whose sweeps come out either way, and engines that chose apart served at different
-    speeds; with the record every engine of the machine runs what the first one chose."""
+    speeds; with the record every engine of the machine runs what the first one chose.
+
+    With `shared` (pack_linears), each linear then frees the copies of its weight it never runs
+    (Linear.free_unused; plain weights whose id is in `shared` stay), one linear after the other, so
+    that no more than two copies of the model's weights are held at once."""
     shapes: dict[tuple, list[Linear]] = {}
     for lin in linears:
         if lin.packed is not None and lin.weight.numel():  # (both weights at hand)
@@ -354,9 +383,13 @@ def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float
         packed_from = _packed_from(first)
         # (A recorded choice of our kernel needs it loaded in this process too, and built here.)
         kernel_to = TUNE_ROWS[kernel_rows - 1] if kernel_rows and linear_kernels_available() else 0
+        packed_from = max(packed_from, kernel_to + 1)
         for lin in group:
-            lin.packed_from, lin.kernel_to = packed_from, kernel_to
-        when = f"packed from {packed_from} rows" if first < len(TUNE_ROWS) else "never packed"
+            lin.packed_from = packed_from
+            lin.use_kernel(kernel_to)
+            if shared is not None:
+                lin.free_unused(keep_plain=id(lin.weight) in shared)
+        when = f"packed from {packed_from} rows" if packed_from != NEVER_PACKED else "never packed"
         chosen.append(f"{_key(shape)} kernel to {kernel_to} rows, {when}")
     if chosen:
         logger.info("linears (%s): %s", "tuned here" if todo else f"as recorded in {record}", ", ".join(chosen))
@@ -367,6 +400,8 @@ def _packed_from(first: int) -> int:
     (len: never, past the last). The row counts between two swept ones go with the larger: at 3
     rows MKL's F.linear costs about three GEMVs where the packed weight costs about what it does at
     4, so rounding down to F.linear, never timed there, can make a 3-row step several times slower."""
+    if first >= len(TUNE_ROWS):
+        return NEVER_PACKED
     return TUNE_ROWS[first - 1] + 1 if first else TUNE_ROWS[0]
 
 
@@ -433,8 +468,8 @@ WAYS = ("kernel", "plain", "packed")
 
 
 def _use(lin: Linear, way: str) -> None:
-    lin.kernel_to = TUNE_ROWS[-1] if way == "kernel" else 0
-    lin.packed_from = 0 if way == "packed" else TUNE_ROWS[-1] + 1
+    lin.use_kernel(TUNE_ROWS[-1] if way == "kernel" else 0)
+    lin.packed_from = 0 if way == "packed" else NEVER_PACKED
 
 
 def _time_each_way(timed: list[Linear], reps: int, timer: Callable[[], float]) -> dict[tuple, list[float]]:
@@ -477,21 +512,25 @@ def _time_each_way(timed: list[Linear], reps: int, timer: Callable[[], float]) -
 # of a 0.44B model's MLP) where it was the faster in the sweeps and in the decode step
 # (benchmarks/results/quantization.md, "Our kernel or a library").
 LIBRARY_MARGIN = 1.15
-# Which rule of `_choose` made a record's choices: a record made under an earlier rule (our kernel
-# held to the margin too) is tuned again rather than read.
-CHOICE_RULE = 2
+# Which rule of `_choose`, timing which kernel, made a record's choices: a record made under an
+# earlier one (2: our kernel read the weight in rows, not panels; 1: it was held to the margin too)
+# is tuned again rather than read.
+CHOICE_RULE = 3
 
 
 def _choose(seconds: dict[str, list[float]]) -> dict[str, int]:
     """From per-way sweep times over TUNE_ROWS: `kernel_rows`, how many of the first row counts run
     our kernel (each where it is at least as fast as both libraries, from the first on: a few rows
     is where a GEMM library reads the weight slowest), and `packed_first`, the index into TUNE_ROWS
-    from which the packed weight runs (len: never) among the rest."""
+    from which the packed weight runs (len: never) among the rest. Past the last row count its
+    choice stands, so where our kernel won every row count the last one still chooses between the
+    libraries for bigger inputs (prefill chunks)."""
     kernel, plain, packed = seconds["kernel"], seconds["plain"], seconds["packed"]
     rows = 0
     while rows < len(TUNE_ROWS) and kernel[rows] <= min(plain[rows], packed[rows]):
         rows += 1
-    return {"kernel_rows": rows, "packed_first": rows + _cheapest_first(packed[rows:], plain[rows:])}
+    rest = min(rows, len(TUNE_ROWS) - 1)
+    return {"kernel_rows": rows, "packed_first": rest + _cheapest_first(packed[rest:], plain[rest:])}
 
 
 def _cheapest_first(packed: list[float], plain: list[float]) -> int:
