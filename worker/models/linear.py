@@ -364,7 +364,7 @@ def tune_linears(linears: list[Linear], reps: int = 9, timer: Callable[[], float
 
     With `shared` (pack_linears), each linear then frees the copies of its weight it never runs
     (Linear.free_unused; plain weights whose id is in `shared` stay), one linear after the other, so
-    that no more than two copies of the model's weights are held at once."""
+    that besides two copies of the weights at most one linear's third copy (its panels) is held."""
     shapes: dict[tuple, list[Linear]] = {}
     for lin in linears:
         if lin.packed is not None and lin.weight.numel():  # (both weights at hand)
