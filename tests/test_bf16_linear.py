@@ -85,6 +85,10 @@ def test_bf16_weight_drafter_is_exact(draft_vocab, mtp_checkpoints, references, 
     assert model.model.mtp_layers[0].input_proj.weight.dtype == torch.float32  # fp32 arithmetic
     if draft_vocab == "full":
         assert model.draft_head.weight is model.lm_head.weight
+        # Past the bf16 copy's rows it runs as lm_head does: our kernel's panels, then the packed weight.
+        assert model.draft_head.panels is model.lm_head.panels
+        assert (model.draft_head.kernel_to, model.draft_head.packed_from) == (model.lm_head.kernel_to,
+                                                                              model.lm_head.packed_from)
     prompts = random_prompts(8, 1, 200, 384, 81)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     exact = sum(references["qwen2"].assert_matches(p, o.token_ids, 32, f"bf16 drafter/prompt {i}")

@@ -75,7 +75,9 @@ class CausalLM(nn.Module):
         shares lm_head's packed weight instead of packing one of its own."""
         with torch.device("meta"):
             head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
-        head.weight, head.packed, head.packed_from = self.lm_head.weight, self.lm_head.packed, self.lm_head.packed_from
+        lm_head = self.lm_head
+        head.weight, head.packed, head.packed_from = lm_head.weight, lm_head.packed, lm_head.packed_from
+        head.panels, head.kernel_to = lm_head.panels, lm_head.kernel_to  # our kernel between bf16's rows and packed's
         head.keep_bf16(weight)
         self.draft_head = head
 
