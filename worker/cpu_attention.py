@@ -28,8 +28,8 @@ def available() -> bool:
 
 @functools.cache
 def prefill_available() -> bool:
-    """Build (or load the cached build of) the prefill kernel; False where that fails (it calls the
-    BLAS torch links, `sgemm_`, which a build of torch may not export)."""
+    """Build (or load the cached build of) the prefill kernel; False where that fails (without AVX2 it
+    calls the BLAS torch links, `sgemm_`, which a build of torch may not export)."""
     return cpp_build.build("prefill_attention.cpp", CFLAGS, "prefill attention")
 
 
