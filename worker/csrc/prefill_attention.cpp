@@ -4,9 +4,9 @@
 // torch's CPU flash kernel (what F.scaled_dot_product_attention runs) multiplies tiles of up to 256
 // queries by 512 keys: on the diagonal a tile computes many scores the mask then discards, and each query
 // head reads its KV head's keys and values again. Here a task is one KV head and a block of query
-// positions, the queries of every head in its group stacked into one GEMM operand (the keys and values
+// positions, the queries of every head in its group stacked into one operand (the keys and values
 // are read once for the group), keys in blocks no further than the block's last position: scores
-// (Q K^T) and the weighted values (P V) are BLAS GEMMs (sgemm), an online softmax between them.
+// (Q K^T), an online softmax, and the weighted values (P V).
 // The torch reference is F.scaled_dot_product_attention(is_causal=True, enable_gqa=True).
 //
 // q [T, H, D], k and v [T, H_kv, D], fp32, heads adjacent (stride D) and each vector contiguous; the
@@ -24,11 +24,6 @@
 #include <limits>
 #include <vector>
 
-// BLAS, from the library torch itself links (MKL on x86, OpenBLAS on ARM): column-major.
-extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-                       const float* beta, float* c, const int* ldc);
-
 namespace {
 
 // Query positions per task (times the group's heads: the GEMMs' rows) and keys per block: a task's
@@ -36,69 +31,17 @@ namespace {
 constexpr int64_t kQueryBlock = 64;
 constexpr int64_t kKeyBlock = 128;
 
-// Row-major C[m x n] = A[m x k] * B' + beta * C, where B' is B^T for B given as [n x k]
-// (`b_is_nk`), else B given as [k x n]. Column-major BLAS computes C^T = B'^T A^T.
-inline void gemm(int m, int n, int k, const float* a, int lda, const float* b, int ldb, bool b_is_nk, float beta,
-                 float* c, int ldc) {
-  const float one = 1.f;
-  const char ta = b_is_nk ? 'T' : 'N', tb = 'N';
-  sgemm_(&ta, &tb, &n, &m, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
-}
-
-inline float row_max(const float* s, int64_t n) {
-  int64_t t = 0;
-  float best = -std::numeric_limits<float>::infinity();
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_set1_ps(best);
-  for (; t + 16 <= n; t += 16) acc = _mm512_max_ps(acc, _mm512_loadu_ps(s + t));
-  best = _mm512_reduce_max_ps(acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc = _mm256_set1_ps(best);
-  for (; t + 8 <= n; t += 8) acc = _mm256_max_ps(acc, _mm256_loadu_ps(s + t));
-  best = reduce_max8(acc);
-#endif
-  for (; t < n; ++t) best = std::max(best, s[t]);
-  return best;
-}
-
-// s[t] = exp(s[t] - top) for t < live, 0 for live <= t < n; returns the sum.
-inline float exp_shifted(float* s, int64_t live, int64_t n, float top) {
-  int64_t t = 0;
-  float sum = 0.f;
-#if defined(__AVX512F__)
-  const __m512 shift = _mm512_set1_ps(top);
-  __m512 acc = _mm512_setzero_ps();
-  for (; t + 16 <= live; t += 16) {
-    const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift));
-    _mm512_storeu_ps(s + t, p);
-    acc = _mm512_add_ps(acc, p);
-  }
-  sum = _mm512_reduce_add_ps(acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 shift = _mm256_set1_ps(top);
-  __m256 acc = _mm256_setzero_ps();
-  for (; t + 8 <= live; t += 8) {
-    const __m256 p = exp_nonpositive_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
-    _mm256_storeu_ps(s + t, p);
-    acc = _mm256_add_ps(acc, p);
-  }
-  sum = reduce_add8(acc);
-#endif
-  for (; t < live; ++t) sum += (s[t] = std::exp(s[t] - top));
-  std::fill(s + live, s + n, 0.f);
-  return sum;
-}
-
 struct Shapes {
   int64_t tokens, heads, kv_heads, dim, q_stride, k_stride, v_stride;
   float scale;
 };
 
 #ifdef PDSERVE_PANEL_SIMD
-// With SIMD the two products run in the panel kernel's form (panel_linear.h): a tile of R rows times
-// one P-wide panel, each step one load of the panel's P values and R broadcasts, 2 * R accumulators.
-// MKL's sgemm takes its AVX2 path on some CPUs that have AVX-512 (AMD's), and it copies its operands
-// into its own layout on every call; here the operands are kept in the tile's layout from the start.
+// With AVX2 or AVX-512 the two products run in the panel kernel's form (panel_linear.h): a tile of R
+// rows times one P-wide panel, each step one load of the panel's P values and R broadcasts, 2 * R
+// accumulators. BLAS (which this kernel called before) copies its operands into its own layout on
+// every call, and MKL takes its AVX2 path on AMD's AVX-512 CPUs (benchmarks/results/attention_kernel.txt);
+// here the operands are kept in the tile's layout from the start.
 // Everything is transposed: a task's query rows are the panels' columns, so scores, probabilities
 // and accumulators are [key or dim][row] and the online softmax runs down columns, lanes apart,
 // with no horizontal sums.
@@ -297,13 +240,41 @@ void attend_block(const float* q, const KeyValues& kv, float* out, int64_t kv_he
 Scratch make_scratch(int64_t rows, int64_t dim) { return Scratch((rows + P - 1) / P, dim); }
 
 #else
+// Without AVX2 (ARM, older x86): the products are BLAS GEMMs, from the library torch itself links (MKL
+// on x86, OpenBLAS on ARM), column-major.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
+// Row-major C[m x n] = A[m x k] * B' + beta * C, where B' is B^T for B given as [n x k]
+// (`b_is_nk`), else B given as [k x n]. Column-major BLAS computes C^T = B'^T A^T.
+inline void gemm(int m, int n, int k, const float* a, int lda, const float* b, int ldb, bool b_is_nk, float beta,
+                 float* c, int ldc) {
+  const float one = 1.f;
+  const char ta = b_is_nk ? 'T' : 'N', tb = 'N';
+  sgemm_(&ta, &tb, &n, &m, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+
+inline float row_max(const float* s, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) best = std::max(best, s[t]);
+  return best;
+}
+
+// s[t] = exp(s[t] - top) for t < live, 0 for live <= t < n; returns the sum.
+inline float exp_shifted(float* s, int64_t live, int64_t n, float top) {
+  float sum = 0.f;
+  for (int64_t t = 0; t < live; ++t) sum += (s[t] = std::exp(s[t] - top));
+  std::fill(s + live, s + n, 0.f);
+  return sum;
+}
+
 struct Scratch {
   std::vector<float> q, scores, acc, top, denom;
   explicit Scratch(int64_t rows, int64_t dim)
       : q(rows * dim), scores(rows * kKeyBlock), acc(rows * dim), top(rows), denom(rows) {}
 };
 
-// Query positions [p0, p0 + kQueryBlock) of every head of KV head `kv_head`, over keys [0, p].
 // Keys and values read in place.
 struct KeyValues {
   const float *k, *v;
@@ -311,6 +282,7 @@ struct KeyValues {
 
 KeyValues key_values(const float* k, const float* v, const Shapes&) { return {k, v}; }
 
+// Query positions [p0, p0 + kQueryBlock) of every head of KV head `kv_head`, over keys [0, p].
 void attend_block(const float* q, const KeyValues& kv, float* out, int64_t kv_head, int64_t p0, const Shapes& s,
                   Scratch& w) {
   const int64_t group = s.heads / s.kv_heads, dim = s.dim;
