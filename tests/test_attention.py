@@ -166,13 +166,17 @@ def test_other_builds_match_reference(tmp_path, build):
     assert max(errors.values()) < 2e-5, errors
 
 
-def test_prefill_kernel_matches_sdpa_on_a_long_prompt():
-    """A prompt of many query and key blocks, its q a strided view of a fused QKV projection (as in
-    the model), against SDPA (causal, GQA)."""
+# (tokens, heads, KV heads, head_dim): a prompt of many query and key blocks; one whose packed keys and
+# values exceed what a thread keeps between calls (kKeptFloats), so the kernel allocates for the call.
+LONG_PROMPTS = [(1000, 16, 8, 128), (2100, 64, 64, 64)]
+
+
+@pytest.mark.parametrize("t,heads,kv_heads,dim", LONG_PROMPTS)
+def test_prefill_kernel_matches_sdpa_on_a_long_prompt(t, heads, kv_heads, dim):
+    """q a strided view of a fused QKV projection (as in the model), against SDPA (causal, GQA)."""
     if not cpu_attention.prefill_available():
         pytest.fail("the C++ prefill attention kernel did not build")
     torch.manual_seed(5)
-    t, heads, kv_heads, dim = 1000, 16, 8, 128
     qkv = torch.randn(t, (heads + 2 * kv_heads) * dim)
     q = qkv[:, : heads * dim].view(t, heads, dim)
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim)

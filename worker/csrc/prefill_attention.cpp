@@ -122,6 +122,7 @@ inline Vec vexp(Vec x) { return exp_nonpositive_avx2(x); }
 struct KeyValues {
   int64_t blocks, block_floats;
   float *keys, *values;  // [kv_heads][blocks][block_floats]
+  std::vector<float> owned;  // their storage when larger than a thread keeps (kKeptFloats)
   const float* key_block(int64_t kv_head, int64_t j0) const {
     return keys + (kv_head * blocks + j0 / kKeyBlock) * block_floats;
   }
@@ -130,14 +131,21 @@ struct KeyValues {
   }
 };
 
+// The packed keys and values a calling thread keeps between calls (each layer of a prefill needs the
+// same size, and fresh pages would be faulted in and zeroed by the kernel on every call): 64 MiB,
+// a 2048-token chunk of 8 KV heads of 128 with room to spare. Longer prompts get storage of their
+// own, freed at the end of the call.
+constexpr int64_t kKeptFloats = int64_t{16} << 20;
+
 KeyValues key_values(const float* k, const float* v, const Shapes& s) {
   const int64_t blocks = (s.tokens + kKeyBlock - 1) / kKeyBlock, size = kKeyBlock * s.dim, dim = s.dim;
-  // Kept between calls (each layer of a prefill needs the same size): fresh pages would be faulted in
-  // and zeroed by the kernel on every call.
-  thread_local std::vector<float> buffer;
   const int64_t floats = s.kv_heads * blocks * size;
-  if (static_cast<int64_t>(buffer.size()) < 2 * floats) buffer.resize(2 * floats);
-  const KeyValues kv{blocks, size, buffer.data(), buffer.data() + floats};
+  thread_local std::vector<float> kept;
+  KeyValues kv{blocks, size, nullptr, nullptr, {}};
+  std::vector<float>& storage = 2 * floats <= kKeptFloats ? kept : kv.owned;
+  if (static_cast<int64_t>(storage.size()) < 2 * floats) storage.resize(2 * floats);
+  kv.keys = storage.data();
+  kv.values = storage.data() + floats;
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < s.kv_heads * blocks; ++t) {
     const int64_t h = t / blocks, j0 = t % blocks * kKeyBlock, n = std::min(kKeyBlock, s.tokens - j0);
