@@ -102,17 +102,12 @@ void pack(const float* src, int64_t row_stride, int64_t M, int64_t K, float* dst
   }
 }
 
+// Lane-wise max and exp (x <= 0); +, - and * are the vector types' own operators (GCC, Clang).
 #if defined(__AVX512F__)
 inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
-inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
-inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec vexp(Vec x) { return exp_nonpositive(x); }
 #else
 inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
-inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
-inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vexp(Vec x) { return exp_nonpositive_avx2(x); }
 #endif
 
@@ -179,7 +174,7 @@ void attend_block(const float* q, const KeyValues& kv, float* out, int64_t kv_he
   // Row r is position p0 + r / group of head kv_head * group + r % group, scaled here once; rows past
   // the last fill their panel with zeros (their results are never written out).
   const auto position = [&](int64_t r) { return std::min(p1 - 1, p0 + r / group); };
-  std::fill(w.q.begin(), w.q.begin() + panels * dim * P, 0.f);
+  if (rows % P) std::fill(w.q.begin() + (panels - 1) * dim * P, w.q.begin() + panels * dim * P, 0.f);
   for (int64_t r = 0; r < rows; ++r) {
     const float* src = q + (p0 + r / group) * s.q_stride + (kv_head * group + r % group) * dim;
     float* dst = w.q.data() + (r / P) * dim * P + r % P;
@@ -214,16 +209,16 @@ void attend_block(const float* q, const KeyValues& kv, float* out, int64_t kv_he
       for (int64_t c = 0; c < P; c += LANES) {
         Vec best = panel::load(top + c);
         for (int64_t j = 0; j < live; ++j) best = vmax(best, panel::load(sc + j * P + c));
-        const Vec rescale = vexp(vsub(panel::load(top + c), best));  // 0 on the first block
+        const Vec rescale = vexp(panel::load(top + c) - best);  // 0 on the first block
         Vec sum = panel::zero();
         for (int64_t j = 0; j < live; ++j) {
-          const Vec p = vexp(vsub(panel::load(sc + j * P + c), best));
+          const Vec p = vexp(panel::load(sc + j * P + c) - best);
           panel::store(sc + j * P + c, p);
-          sum = vadd(sum, p);
+          sum = sum + p;
         }
-        panel::store(denom + c, vadd(vmul(panel::load(denom + c), rescale), sum));
+        panel::store(denom + c, panel::load(denom + c) * rescale + sum);
         panel::store(top + c, best);
-        for (int64_t d = 0; d < dim; ++d) panel::store(acc + d * P + c, vmul(panel::load(acc + d * P + c), rescale));
+        for (int64_t d = 0; d < dim; ++d) panel::store(acc + d * P + c, panel::load(acc + d * P + c) * rescale);
       }
       // acc[d][c] += sum_j v[j0 + j][d] * p[j][c], the values grouped by dim with n keys a group
       for (int64_t d0 = 0; d0 < dim; d0 += ROWS) {

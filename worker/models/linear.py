@@ -125,6 +125,16 @@ class Linear(nn.Linear):
         elif self.packed_from <= self.kernel_to + 1 and not keep_plain:
             self.drop_plain()
 
+    def share_weights(self, other: Linear) -> None:
+        """Multiply as `other` does, with its tensors (no copy): every form of its weight and the row
+        counts that choose between them. Here, beside the fields they are set from, so that a form
+        added to Linear is shared too."""
+        self.weight, self.bias = other.weight, other.bias
+        self.packed, self.packed_from = other.packed, other.packed_from
+        self.panels, self.kernel_to = other.panels, other.kernel_to
+        self.bf16, self.bf16_max_rows = other.bf16, other.bf16_max_rows
+        self.int8, self.scale, self.int8_way = other.int8, other.scale, other.int8_way
+
     def keep_bf16(self, weight: torch.Tensor) -> None:
         """Multiply inputs of few rows by `weight` rounded to bfloat16 (in fp32 arithmetic; needs
         bf16_linear_available()). The fp32 weight (or its packed copy) still serves bigger inputs."""

@@ -75,9 +75,7 @@ class CausalLM(nn.Module):
         shares lm_head's packed weight instead of packing one of its own."""
         with torch.device("meta"):
             head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
-        lm_head = self.lm_head
-        head.weight, head.packed, head.packed_from = lm_head.weight, lm_head.packed, lm_head.packed_from
-        head.panels, head.kernel_to = lm_head.panels, lm_head.kernel_to  # our kernel between bf16's rows and packed's
+        head.share_weights(self.lm_head)
         head.keep_bf16(weight)
         self.draft_head = head
 
