@@ -1,4 +1,4 @@
-"""The C++ RMSNorm and rotary embedding (worker/csrc/fused_ops.cpp) against their torch references,
+"""The C++ elementwise ops of the decoder layer (worker/csrc/fused_ops.cpp) against their torch references,
 on the shapes and strides the model hands them; and the fallbacks (another dtype, the switch off,
 a torch.compile trace). End to end, every exactness test vs transformers runs them too."""
 from __future__ import annotations
@@ -49,6 +49,67 @@ def test_rms_norm_takes_strided_rows():
     x = torch.randn(6, 512)[:, :256]  # rows 512 apart, each contiguous
     w = torch.randn(256)
     torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (256,), w, 1e-5), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_add_rms_norm_is_the_add_then_rms_norm_bit_for_bit(rows):
+    """A decoder layer's residual add and the norm after it: the sum is torch's `x + residual`, the
+    norm the rms_norm op's, to the bit (the attention's output and a residual of strided rows too)."""
+    g = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(rows, 512, generator=g)[:, :256], torch.randn(rows, 256, generator=g) * 4
+    w = torch.randn(256, generator=g)
+    total, normed = torch.ops.pdserve_fused.add_rms_norm(x, residual, w, 1e-6)
+    assert torch.equal(total, x + residual)
+    assert torch.equal(normed, torch.ops.pdserve_fused.rms_norm(x + residual, w, 1e-6))
+    torch.testing.assert_close(normed, F.rms_norm(x + residual, (256,), w, 1e-6), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_qk_norm_rope_is_the_norms_then_rope_bit_for_bit(tokens):
+    """Qwen3's q_norm and k_norm, then the rotation, on the q and k heads sliced out of the stacked
+    projection: the same bits as the rms_norm and rope ops one after the other."""
+    g = torch.Generator().manual_seed(tokens)
+    heads = torch.randn(tokens, 16 + 2 * 8, 128, generator=g) * 2
+    qw, kw = torch.randn(128, generator=g), torch.randn(128, generator=g)
+    cos, sin = torch.randn(tokens, 2, 1, 128, generator=g).unbind(1)
+    qk = heads[:, :24]
+    out = torch.ops.pdserve_fused.qk_norm_rope(qk, 16, qw, kw, 1e-6, cos, sin)
+    ref = torch.cat([fused_ops.rope(fused_ops.rms_norm(qk[:, :16], qw, 1e-6), cos, sin),
+                     fused_ops.rope(fused_ops.rms_norm(qk[:, 16:], kw, 1e-6), cos, sin)], dim=1)
+    assert torch.equal(out, ref)
+    expanded = torch.cat([F.rms_norm(qk[:, :16], (128,), qw, 1e-6), F.rms_norm(qk[:, 16:], (128,), kw, 1e-6)], 1)
+    torch.testing.assert_close(out, reference_rope(expanded, cos, sin), rtol=2e-6, atol=2e-5)
+
+
+@pytest.mark.parametrize("n", [13, 704, 3072])
+def test_silu_and_mul_matches_torch(n):
+    """SiLU(gate) * up within fp32 rounding (vectorised lanes and the scalar tail), including
+    +-0, large magnitudes of either sign, +-inf and NaN."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(6, 2 * n, generator=g) * 6
+    x[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, float("inf"), float("-inf"), float("nan"), 88.0])
+    out = torch.ops.pdserve_fused.silu_and_mul(x)
+    ref = F.silu(x[:, :n]) * x[:, n:]
+    # exp(-100) underflows to 0 here where torch keeps a denormal: an absolute 1e-38 at most.
+    torch.testing.assert_close(out, ref, rtol=4e-7, atol=1e-38, equal_nan=True)  # a few ulps
+    torch.testing.assert_close(fused_ops.silu_and_mul(x), out, rtol=0, atol=0, equal_nan=True)
+
+
+def test_write_kv_is_index_copy():
+    g = torch.Generator().manual_seed(0)
+    heads = torch.randn(5, 4 + 2 * 2, 32, generator=g)
+    k, v = heads[:, 4:6], heads[:, 6:]  # strided views of the projection, as the layer passes them
+    slots = torch.tensor([3, 17, 0, 63, 40])
+    caches = [torch.zeros(64, 2, 32) for _ in range(4)]
+    torch.ops.pdserve_fused.write_kv(caches[0], caches[1], slots, k, v)
+    caches[2].index_copy_(0, slots, k)
+    caches[3].index_copy_(0, slots, v)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        torch.ops.pdserve_fused.write_kv(caches[0], caches[1], torch.tensor([0, 1, 2, 3, 64]), k, v)
+    bf16 = [c.bfloat16() for c in caches[:2]]  # a bf16 cache: index_copy_ after a cast
+    fused_ops.write_kv(bf16[0], bf16[1], slots, k, v)
+    assert torch.equal(bf16[0], caches[2].bfloat16()) and torch.equal(bf16[1], caches[3].bfloat16())
 
 
 def test_bad_inputs_are_refused_by_the_op_and_routed_around_by_the_wrappers():

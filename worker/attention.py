@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import settings
+from worker import fused_ops
 from worker.input_batch import StepLayout
 
 PAGED_MAX_QUERY = 16
@@ -90,8 +91,7 @@ class CacheWriter:
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this step's K/V [T, Hkv, D] of layer `layer_idx` into the cache (then the tap hears of it)."""
         k_cache, v_cache = self.kv_caches[layer_idx]
-        k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+        fused_ops.write_kv(k_cache, v_cache, self.slot_mapping, k, v)
         if self.tap is not None:
             self.tap(layer_idx)
 

@@ -1,5 +1,7 @@
-"""RMSNorm and rotary embedding as one op each on the CPU, and an argmax (`worker/csrc/fused_ops.cpp`);
-the same library holds the C++ token-bookkeeping kernels that worker/kernels.py dispatches to.
+"""The decoder layer's elementwise work as one op each on the CPU (RMSNorm, with the residual add
+before it; rotary embedding, with Qwen3's per-head norms before it; SiLU-and-mul; the K/V write),
+and an argmax (`worker/csrc/fused_ops.cpp`); the same library holds the C++ token-bookkeeping
+kernels that worker/kernels.py dispatches to.
 
 A decode step on a CPU is a few rows, so the decoder layer's elementwise work costs what its
 dispatches cost: RMSNorm alone is seven torch ops. And torch's CPU argmax over the vocabulary
@@ -53,6 +55,46 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _fused(x, (torch.float32, torch.bfloat16)) and weight.dtype == x.dtype and x.stride(-1) == 1:
         return torch.ops.pdserve_fused.rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rms_norm(x + residual)): a decoder layer's residual add and the norm after it."""
+    if (_fused(x) and residual.dtype == weight.dtype == torch.float32 and x.shape == residual.shape
+            and x.stride(-1) == 1 and residual.stride(-1) == 1):
+        return torch.ops.pdserve_fused.add_rms_norm(x, residual, weight, eps)
+    total = x + residual
+    return total, rms_norm(total, weight, eps)
+
+
+def qk_norm_rope(x: torch.Tensor, num_q: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, q + k heads, head_dim]: the first num_q heads RMS-normed by q_weight, the rest by
+    k_weight (Qwen3's q_norm and k_norm), then all rotated (rope)."""
+    if _fused(x) and x.dim() == 3 and x.stride(-1) == 1 and q_weight.dtype == k_weight.dtype == torch.float32:
+        return torch.ops.pdserve_fused.qk_norm_rope(x, num_q, q_weight, k_weight, eps, cos, sin)
+    normed = torch.cat([rms_norm(x[:, :num_q], q_weight, eps), rms_norm(x[:, num_q:], k_weight, eps)], dim=1)
+    return rope(normed, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for x = [gate | up] along the last dimension (the gated MLP's activation)."""
+    if _fused(x) and x.dim() == 2 and x.stride(-1) == 1:
+        return torch.ops.pdserve_fused.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """k_cache[slots] = k and v_cache[slots] = v (caches [slots, kv heads, head_dim], k and v [T, kv heads,
+    head_dim], slots int64 [T])."""
+    if (_fused(k) and k_cache.dtype == v.dtype == torch.float32 and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and k.stride(-1) == 1 and v.stride(-1) == 1):
+        torch.ops.pdserve_fused.write_kv(k_cache, v_cache, slots, k, v)
+        return
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

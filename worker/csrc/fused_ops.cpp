@@ -6,8 +6,9 @@
 // does the same arithmetic in one pass, element by element in the same order as the torch
 // expression it replaces (worker/fused_ops.py holds those as the reference): rope is
 // bit-identical to it; rms_norm accumulates its sum of squares in another order than torch's
-// mean, a difference in the last bit of the scale at most. (SiLU-and-mul stays torch's: without
-// -ffast-math GCC does not vectorise exp, and a scalar exp costs more than the dispatches.)
+// mean, a difference in the last bit of the scale at most. silu_and_mul takes its exp from
+// vec_exp.h (torch's is Sleef's): the two differ in the last bits, as oneDNN's fused SiLU of the
+// prefill path does too; transformers' greedy output is what the tests hold it to.
 //
 // Built without -ffast-math (worker/fused_ops.py): a contracted multiply-add would round
 // differently from torch's separate multiply and add.
@@ -15,14 +16,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
+
+#include "vec_exp.h"
 
 namespace {
 
@@ -34,22 +33,33 @@ void check_fp32_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
 }
 
+// Not inlined: one compiled body, so every op that norms a row (rms_norm, add_rms_norm,
+// qk_norm_rope) sums its squares in the same order and gives the same bits.
+template <typename scalar_t>
+__attribute__((noinline)) void rms_norm_row(const scalar_t* xr, const scalar_t* w, scalar_t* yr, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+  const float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i)
+    yr[i] = static_cast<scalar_t>(static_cast<float>(w[i]) * (static_cast<float>(xr[i]) * scale));
+}
+
 template <typename scalar_t>
 void rms_norm_rows(const scalar_t* src, int64_t stride, const scalar_t* w, scalar_t* dst, int64_t rows, int64_t n,
                    float eps) {
   at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* xr = src + r * stride;
-      scalar_t* yr = dst + r * n;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < n; ++i) sum += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
-      const float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i)
-        yr[i] = static_cast<scalar_t>(static_cast<float>(w[i]) * (static_cast<float>(xr[i]) * scale));
-    }
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(src + r * stride, w, dst + r * n, n, eps);
   });
+}
+
+// A [rows, n] view of x's leading dimensions, each row contiguous (x's own storage where it can be).
+at::Tensor fp32_rows(const at::Tensor& x, int64_t n, const char* name) {
+  check_fp32_cpu(x, name);
+  TORCH_CHECK(x.size(-1) == n && x.stride(-1) == 1, name, "'s last dimension must be contiguous and of size ", n);
+  at::Tensor rows = x.reshape({-1, n});
+  return rows.stride(0) >= n ? rows : rows.contiguous();
 }
 
 // y = w * (x * 1/sqrt(mean(x^2) + eps)) over the last dimension; x's rows may be strided, each
@@ -74,18 +84,66 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out.view(x.sizes());
 }
 
-// x * cos + rotate_half(x) * sin for x [T, H, D] and cos/sin [T, 1, D] (any strides, D
-// contiguous): transformers' apply_rotary_pos_emb, where rotate_half(x) = cat(-x[D/2:], x[:D/2]).
-at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+// (x + residual, rms_norm(x + residual)): a decoder layer's residual add and the norm that follows
+// it. The sum is torch's x + residual to the bit; the norm is rms_norm's.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  const int64_t n = weight.numel();
+  check_fp32_cpu(weight, "weight");
+  TORCH_CHECK(weight.is_contiguous() && x.sizes() == residual.sizes(), "x and residual must be of one shape");
+  const at::Tensor xs = fp32_rows(x, n, "x"), rs = fp32_rows(residual, n, "residual");
+  const int64_t rows = xs.size(0);
+  at::Tensor sum = at::empty({rows, n}, x.options()), out = at::empty({rows, n}, x.options());
+  const float *xp = xs.data_ptr<float>(), *rp = rs.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float *sp = sum.data_ptr<float>(), *op = out.data_ptr<float>();
+  const int64_t sx = xs.stride(0), sr = rs.stride(0);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* s = sp + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) s[i] = xp[r * sx + i] + rp[r * sr + i];
+      rms_norm_row(s, w, op + r * n, n, e);
+    }
+  });
+  return {sum.view(x.sizes()), out.view(x.sizes())};
+}
+
+// One head's x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[D/2:], x[:D/2]).
+inline void rope_row(const float* xr, const float* ci, const float* si, float* yr, int64_t d) {
+  const int64_t half = d / 2;
+  // Written as separate products and a sum, as torch computes them (no contraction here).
+#pragma omp simd
+  for (int64_t k = 0; k < half; ++k) {
+    const float a = xr[k] * ci[k], b = -xr[k + half] * si[k];
+    yr[k] = a + b;
+  }
+#pragma omp simd
+  for (int64_t k = half; k < d; ++k) {
+    const float a = xr[k] * ci[k], b = xr[k - half] * si[k];
+    yr[k] = a + b;
+  }
+}
+
+void check_rope_args(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_fp32_cpu(x, "x");
   check_fp32_cpu(cos, "cos");
   check_fp32_cpu(sin, "sin");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [tokens, heads, head_dim] with head_dim contiguous");
-  const int64_t t = x.size(0), h = x.size(1), d = x.size(2), half = d / 2;
+  const int64_t t = x.size(0), d = x.size(2);
   TORCH_CHECK(d % 2 == 0, "head_dim must be even");
   TORCH_CHECK(cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(0) == t && cos.size(1) == 1 &&
                   cos.size(2) == d && cos.stride(2) == 1 && sin.stride(2) == 1,
               "cos and sin must be [tokens, 1, head_dim] with head_dim contiguous");
+}
+
+// x * cos + rotate_half(x) * sin for x [T, H, D] and cos/sin [T, 1, D] (any strides, D
+// contiguous): transformers' apply_rotary_pos_emb. With num_q >= 0, each head is first
+// RMS-normed (Qwen3's q_norm and k_norm): heads below num_q by q_weight, the rest by k_weight.
+at::Tensor rope_impl(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_q,
+                     const float* q_weight, const float* k_weight, float eps) {
+  check_rope_args(x, cos, sin);
+  const int64_t t = x.size(0), h = x.size(1), d = x.size(2);
   at::Tensor out = at::empty({t, h, d}, x.options());
   const float* src = x.data_ptr<float>();
   const float* c = cos.data_ptr<float>();
@@ -93,27 +151,113 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   float* dst = out.data_ptr<float>();
   const int64_t st = x.stride(0), sh = x.stride(1), sc = cos.stride(0), ss = sin.stride(0);
   at::parallel_for(0, t, grain(h * d), [&](int64_t begin, int64_t end) {
+    std::vector<float> normed(num_q >= 0 ? d : 0);
     for (int64_t i = begin; i < end; ++i) {
-      const float* ci = c + i * sc;
-      const float* si = s + i * ss;
       for (int64_t j = 0; j < h; ++j) {
         const float* xr = src + i * st + j * sh;
-        float* yr = dst + (i * h + j) * d;
-        // Written as separate products and a sum, as torch computes them (no contraction here).
-#pragma omp simd
-        for (int64_t k = 0; k < half; ++k) {
-          const float a = xr[k] * ci[k], b = -xr[k + half] * si[k];
-          yr[k] = a + b;
+        if (num_q >= 0) {
+          rms_norm_row(xr, j < num_q ? q_weight : k_weight, normed.data(), d, eps);
+          xr = normed.data();
         }
-#pragma omp simd
-        for (int64_t k = half; k < d; ++k) {
-          const float a = xr[k] * ci[k], b = xr[k - half] * si[k];
-          yr[k] = a + b;
-        }
+        rope_row(xr, c + i * sc, s + i * ss, dst + (i * h + j) * d, d);
       }
     }
   });
   return out;
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return rope_impl(x, cos, sin, -1, nullptr, nullptr, 0.f);
+}
+
+// rope(cat(rms_norm(x[:, :num_q], q_weight), rms_norm(x[:, num_q:], k_weight), 1), cos, sin): a
+// Qwen3 layer's query and key heads normed and rotated in one op instead of four.
+at::Tensor qk_norm_rope(const at::Tensor& x, int64_t num_q, const at::Tensor& q_weight, const at::Tensor& k_weight,
+                        double eps, const at::Tensor& cos, const at::Tensor& sin) {
+  check_fp32_cpu(q_weight, "q_weight");
+  check_fp32_cpu(k_weight, "k_weight");
+  TORCH_CHECK(x.dim() == 3 && 0 <= num_q && num_q <= x.size(1), "num_q must lie in [0, heads]");
+  TORCH_CHECK(q_weight.is_contiguous() && k_weight.is_contiguous() && q_weight.numel() == x.size(2) &&
+                  k_weight.numel() == x.size(2),
+              "q_weight and k_weight must be contiguous, of head_dim elements");
+  return rope_impl(x, cos, sin, num_q, q_weight.data_ptr<float>(), k_weight.data_ptr<float>(),
+                   static_cast<float>(eps));
+}
+
+// silu(g) * u for x = [g | u] ([rows, 2n], rows contiguous): the gated MLP's activation. sigmoid(g)
+// is 1 / (1 + e) for g >= 0 and e / (1 + e) below, with e = exp(-|g|) <= 1, so exp never overflows.
+inline float silu_mul(float g, float u) {
+  const float e = std::exp(-std::fabs(g));
+  return g * ((g >= 0.f ? 1.f : e) / (1.f + e)) * u;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_fp32_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1,
+              "x must be [rows, 2 * n] with its rows contiguous");
+  const int64_t rows = x.size(0), n = x.size(1) / 2, stride = x.stride(0);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const float* src = x.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float *g = src + r * stride, *u = g + n;
+      float* y = dst + r * n;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= n; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + i);
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));  // exp(-|g|)
+        const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
+        const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, e), _mm512_add_ps(one, e));
+        _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(u + i)));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+      for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = exp_nonpositive_avx2(_mm256_or_ps(gv, sign));  // exp(-|g|)
+        const __m256 neg = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ);
+        const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, neg), _mm256_add_ps(one, e));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < n; ++i) y[i] = silu_mul(g[i], u[i]);
+    }
+  });
+  return out;
+}
+
+// k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t]: a layer's K/V of a step into the paged
+// cache, both in one op (two index_copy_ otherwise). Caches [slots, H, D] contiguous; k and v
+// [T, H, D] with D contiguous.
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v) {
+  check_fp32_cpu(k_cache, "k_cache");
+  check_fp32_cpu(v_cache, "v_cache");
+  check_fp32_cpu(k, "k");
+  check_fp32_cpu(v, "v");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.dim() == 3,
+              "k_cache and v_cache must be contiguous [slots, heads, head_dim] of one shape");
+  const int64_t T = k.size(0), H = k_cache.size(1), D = k_cache.size(2), num_slots = k_cache.size(0);
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == H && k.size(2) == D && k.stride(2) == 1 &&
+                  v.stride(2) == 1,
+              "k and v must be [tokens, heads, head_dim] as the caches, head_dim contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T,
+              "slots must be a contiguous int64 tensor of one slot a token");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(0 <= slot[t] && slot[t] < num_slots, "slot out of range");
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  at::parallel_for(0, T, grain(2 * H * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        std::copy_n(kp + t * k.stride(0) + h * k.stride(1), D, kc + (slot[t] * H + h) * D);
+        std::copy_n(vp + t * v.stride(0) + h * v.stride(1), D, vc + (slot[t] * H + h) * D);
+      }
+  });
 }
 
 int64_t row_argmax(const float* x, int64_t n) {
@@ -414,7 +558,12 @@ void post_step_update(at::Tensor all_token_ids, at::Tensor total_len, at::Tensor
 
 TORCH_LIBRARY(pdserve_fused, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("qk_norm_rope(Tensor x, int num_q, Tensor q_weight, Tensor k_weight, float eps, Tensor cos, Tensor sin) "
+        "-> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
   m.def("argmax(Tensor logits) -> Tensor");
   m.def("rejection_verify(Tensor logits, Tensor temperature, Tensor num_drafts, Tensor drafts, Tensor q, "
         "Tensor vocab_ids, Tensor accept_u, Tensor final_u) -> Tensor");
@@ -428,7 +577,11 @@ TORCH_LIBRARY(pdserve_fused, m) {
 
 TORCH_LIBRARY_IMPL(pdserve_fused, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope", &rope);
+  m.impl("qk_norm_rope", &qk_norm_rope);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("write_kv", &write_kv);
   m.impl("argmax", &argmax);
   m.impl("rejection_verify", &rejection_verify);
   m.impl("gather_prefill_tokens", &gather_prefill_tokens);

@@ -42,6 +42,13 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, self(x + residual)): the residual add before this norm, one op where fused."""
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        total = x + residual
+        return total, self(total)
+
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies for default, linear and llama3 RoPE scaling (as transformers computes them)."""
@@ -89,6 +96,10 @@ class Rope(NamedTuple):
         """x: [T, heads, head_dim]; the same arithmetic as transformers' apply_rotary_pos_emb."""
         return fused_ops.rope(x, self.cos, self.sin)
 
+    def apply_qk_norm(self, x: torch.Tensor, num_q: int, q_norm: RMSNorm, k_norm: RMSNorm) -> torch.Tensor:
+        """apply(cat(q_norm(x[:, :num_q]), k_norm(x[:, num_q:]))) in fp32, one op where fused."""
+        return fused_ops.qk_norm_rope(x, num_q, q_norm.weight, k_norm.weight, q_norm.eps, self.cos, self.sin)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
@@ -111,10 +122,11 @@ class Attention(nn.Module):
         t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         heads = self.qkv_proj(x).view(t, nh + 2 * nkv, self.head_dim)
         v = heads[:, nh + nkv :]
-        if self.qk_norm:
+        if self.qk_norm and not (x.dtype == self.q_norm.weight.dtype == torch.float32):  # transformers' bf16 norms
             q, k = rope.apply(self.q_norm(heads[:, :nh])), rope.apply(self.k_norm(heads[:, nh : nh + nkv]))
-        else:  # q and k rotated together: one set of ops instead of two
-            qk = rope.apply(heads[:, : nh + nkv])
+        else:  # q and k normed (Qwen3) and rotated together: one op instead of two or four
+            qk = heads[:, : nh + nkv]
+            qk = rope.apply_qk_norm(qk, nh, self.q_norm, self.k_norm) if self.qk_norm else rope.apply(qk)
             q, k = qk[:, :nh], qk[:, nh:]
         out = attn.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(t, nh * self.head_dim))
@@ -147,6 +159,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
+                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the residual stream `residual + x` (x alone for the first layer): returns
+        the MLP's output and the stream before it, which the next layer's norm (or the caller) adds
+        up. Each add is so fused with the norm after it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add_forward(x, residual)
+        residual, h = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, attn), residual)
+        return self.mlp(h), residual

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import settings
-from worker import cpp_build
+from worker import cpp_build, fused_ops
 
 logger = logging.getLogger(__name__)
 
@@ -206,8 +206,7 @@ class GateUpLinear(Linear):
             (gate, up), (gate_bias, up_bias) = self.packed, self.bias_halves
             activated = torch.ops.mkldnn._linear_pointwise(x, gate, gate_bias, "swish", [], "")
             return torch.ops.mkldnn._linear_pointwise.binary(x, activated, up, up_bias, "mul")
-        gate, up = self(x).chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return fused_ops.silu_and_mul(self(x))
 
 
 # Inputs of at most this many rows use a Linear's bf16 weight: up to 8 rows the bf16 kernel beats fp32

@@ -28,11 +28,11 @@ class DecoderModel(nn.Module):
         self.mtp_layers = nn.ModuleList(MTPLayer(cfg, cfg.num_hidden_layers + i) for i in range(num_mtp_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, rope, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, attn)
+        return self.norm.add_forward(x, residual)[1]
 
 
 class CausalLM(nn.Module):

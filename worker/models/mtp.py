@@ -66,8 +66,8 @@ class MTPLayer(DecoderLayer):
                     attn.tap(self.self_attn.layer_idx)
                 return out
         x = self._pair(hidden, input_ids, positions, embed, has_position0)
-        x = super().forward(x, rope(positions, x.dtype), attn)
-        return self.final_layernorm(x)
+        x, residual = super().forward(x, None, rope(positions, x.dtype), attn)
+        return self.final_layernorm.add_forward(x, residual)[1]
 
     def write_kv(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                  embed: nn.Embedding, rope: RotaryEmbedding, cache: CacheWriter, has_position0: bool) -> None:
