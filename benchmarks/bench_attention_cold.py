@@ -1,12 +1,15 @@
 """The C++ paged-attention kernel at real size, its cache cold: a decode step's attention on Qwen3-0.6B's
-shapes (16 query / 8 KV heads of 128: a slot of the cache is a 4 KiB page), 28 layers' caches visited
-in turn as a step does (together larger than the L3), against the same layers' calls on one cache
-(hot) and a plain torch sum over the same bytes (what reading them costs at this machine's speed).
+shapes (16 query / 8 KV heads of 128: a slot of the cache is a 4 KiB page; `--shapes bundled`: the
+bundled model's 4 / 2 heads of 64, a 512-byte slot), 28 layers' caches visited in turn as a step
+does (together larger than the L3), against the same layers' calls on one cache (hot) and a plain
+torch sum over the same bytes (what reading them costs at this machine's speed).
 
 Random contexts around --ctx tokens, 16-token blocks scattered through each cache as in a serving
-engine. Run it in two checkouts to compare kernels; the median of --reps is printed, per layer.
+engine, --q-len query tokens a row (1: decode, more: verifying drafts). Run it in two checkouts to
+compare kernels; the median of --reps is printed, per layer.
 
-    python benchmarks/bench_attention_cold.py [--batch 8] [--ctx 232] [--threads 2] [--reps 7]
+    python benchmarks/bench_attention_cold.py [--shapes qwen3-0.6b|bundled] [--batch 8] [--ctx 232]
+        [--q-len 1] [--threads 2] [--reps 7] [--avx2]
 """
 from __future__ import annotations
 
@@ -21,20 +24,26 @@ import torch  # noqa: E402
 
 from benchmarks.common import median_seconds  # noqa: E402
 
-HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 16, 8, 128, 16, 28
+SHAPES = {"qwen3-0.6b": (16, 8, 128), "bundled": (4, 2, 64)}  # query heads, KV heads, head_dim
+BLOCK, LAYERS = 16, 28
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", choices=list(SHAPES), default="qwen3-0.6b")
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--q-len", type=int, default=1)
     parser.add_argument("--ctx", type=int, default=232)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--avx2", action="store_true", help="build the kernel without AVX-512 (its AVX2 path)")
     args = parser.parse_args()
-    from worker import cpu_attention
+    from worker import cpp_build, cpu_attention
 
-    assert cpu_attention.available(), "the kernel did not build"
+    flags = cpu_attention.CFLAGS + (["-mno-avx512f"] if args.avx2 else [])
+    assert cpp_build.build("paged_attention.cpp", flags, "paged attention"), "the kernel did not build"
     torch.set_num_threads(args.threads)
+    HEADS, KV_HEADS, DIM = SHAPES[args.shapes]
     gen, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
     lens = rng.integers(args.ctx - 30, args.ctx + 30, size=args.batch)
     blocks = (lens + BLOCK - 1) // BLOCK
@@ -45,12 +54,14 @@ def main() -> None:
         table[b, :blocks[b]] = order[start:start + blocks[b]]
     caches = [tuple(torch.randn(num_blocks * BLOCK, KV_HEADS, DIM, generator=gen) for _ in range(2))
               for _ in range(LAYERS)]
-    q, rows = torch.randn(args.batch, HEADS, DIM, generator=gen), torch.arange(args.batch, dtype=torch.int32)
+    q = torch.randn(args.batch * args.q_len, HEADS, DIM, generator=gen)
+    starts, q_lens = torch.arange(args.batch, dtype=torch.int32) * args.q_len, torch.full((args.batch,), args.q_len,
+                                                                                            dtype=torch.int32)
     out = torch.empty_like(q)
 
     def attend(layers) -> None:
         for k, v in layers:
-            torch.ops.pdserve_cpu.paged_attention(q, k, v, table, rows, torch.ones_like(rows),
+            torch.ops.pdserve_cpu.paged_attention(q, k, v, table, starts, q_lens,
                                                   torch.tensor(lens, dtype=torch.int32), BLOCK, 0, DIM ** -0.5, out)
 
     tokens = int(lens.sum())
@@ -59,7 +70,9 @@ def main() -> None:
     cold = median_seconds(lambda: attend(caches), args.reps) / LAYERS
     hot = median_seconds(lambda: attend([caches[0]] * LAYERS), args.reps) / LAYERS
     read = median_seconds(lambda: [x.sum() for x in flat], args.reps) / LAYERS
-    print(f"batch {args.batch} ctx~{args.ctx} threads {args.threads}, per layer: cold {cold * 1e6:.0f} us "
+    build = " (AVX2 build)" if args.avx2 else ""
+    print(f"{args.shapes}{build} batch {args.batch} q_len {args.q_len} ctx~{args.ctx} threads {args.threads}, "
+          f"per layer: cold {cold * 1e6:.0f} us "
           f"({nbytes / cold / 1e9:.1f} GB/s), hot {hot * 1e6:.0f} us, a plain read of its "
           f"{nbytes / 2**20:.1f} MiB {read * 1e6:.0f} us ({nbytes / read / 1e9:.1f} GB/s)")
 

@@ -60,8 +60,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-# 64, 32 and 128 take the AVX-512 path where the CPU has it (groups of 2, 4 and an odd 3); 24 the generic one.
-# 8 KV heads of 128 make a slot a page: AVX-512 walks the slots in order, a task several heads.
+# 64, 32 and 128 take the vector slot walk (AVX-512, or AVX2 in test_other_builds_match_reference) with groups
+# of 2, 4 and an odd 3, a task several KV heads; 24 the generic path. 8 KV heads of 128 make a slot a page.
 @pytest.mark.parametrize("heads,kv_heads,dim,window", [(4, 2, 64, None), (6, 6, 24, None), (4, 1, 32, 24),
                                                      (6, 2, 64, 10), (8, 2, 128, None), (16, 8, 128, None),
                                                      (24, 8, 128, 20)])

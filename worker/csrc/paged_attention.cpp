@@ -113,115 +113,12 @@ void attend_row_head(const scalar_t* q, const scalar_t* k_cache, const scalar_t*
     }
 }
 
+// fp32 rows with head_dim 32, 64 or 128 walk the slots (attend_heads below) with the vector steps of
+// Avx512Walk, or of Avx2Walk on CPUs without AVX-512. GCC's auto-vectorised generic path above
+// (mostly 256-bit, a horizontal sum per key and a scalar expf call per score) is several times
+// slower at decode and verify rows (benchmarks/bench_attention_kernel.py).
+
 #if defined(__AVX512F__)
-// fp32 rows on AVX-512 (head_dim 32, 64 or 128), 16 keys per chunk. GCC's auto-vectorised generic
-// path above (mostly 256-bit, a horizontal sum per key and a scalar expf call per score) is several
-// times slower at decode and verify rows, and still slower at long contexts where both read the cache
-// at memory speed (benchmarks/bench_attention_kernel.py). Two walks: one KV head at a time with its
-// query rows in registers (attend_row_head_avx512), and, where a slot spans a page, the slots in
-// order with every head of the task (attend_heads; see there why).
-
-// G query rows of one token (heads sharing a KV head: the same position, the same keys),
-// already scaled, at absolute position `pos`, keys [lo, pos]. Each key and value is loaded once
-// for the G rows: at long contexts the kernel is bound by reading the cache.
-template <int ND, int G>
-void attend_rows_avx512(const float* q, const float* k_cache, const float* v_cache, float* out,
-                        int64_t out_stride, const int32_t* block_table, int64_t pos, int64_t lo, int64_t kv_head,
-                        const Shapes& s) {
-  __m512 qv[G][ND], acc[G][ND];
-  float max_score[G], denom[G];
-  for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < ND; ++c) qv[g][c] = _mm512_loadu_ps(q + g * 16 * ND + 16 * c), acc[g][c] = _mm512_setzero_ps();
-    max_score[g] = -std::numeric_limits<float>::infinity(), denom[g] = 0.f;
-  }
-  alignas(64) float chunk[G][16];
-  const int64_t bs = s.block_size, stride = s.kv_stride_slot;
-  for (int64_t j = lo; j <= pos;) {
-    // Keys j .. j+n-1: contiguous slots of one block.
-    const int64_t blk = j / bs, in_blk = j - blk * bs;
-    const int64_t n = std::min<int64_t>({16, bs - in_blk, pos + 1 - j});
-    const int64_t slot = static_cast<int64_t>(block_table[blk]) * bs + in_blk;
-    const float* kp = k_cache + slot * stride + kv_head * s.head_dim;
-    const float* vp = v_cache + slot * stride + kv_head * s.head_dim;
-    for (int64_t t = 0; t < n; ++t) {
-      __m512 a[G];
-      const __m512 k0 = _mm512_loadu_ps(kp + t * stride);
-      for (int g = 0; g < G; ++g) a[g] = _mm512_mul_ps(qv[g][0], k0);
-      for (int c = 1; c < ND; ++c) {
-        const __m512 kc = _mm512_loadu_ps(kp + t * stride + 16 * c);
-        for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(qv[g][c], kc, a[g]);
-      }
-      for (int g = 0; g < G; ++g) chunk[g][t] = _mm512_reduce_add_ps(a[g]);
-    }
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-    for (int g = 0; g < G; ++g) {
-      const __m512 sc = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, chunk[g]);
-      const float new_max = std::max(max_score[g], _mm512_reduce_max_ps(sc));
-      const float rescale = std::exp(max_score[g] - new_max);  // 0 on the first chunk
-      const __m512 p = exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(new_max)));
-      denom[g] = denom[g] * rescale + _mm512_reduce_add_ps(p);
-      max_score[g] = new_max;
-      _mm512_store_ps(chunk[g], p);
-      const __m512 rs = _mm512_set1_ps(rescale);
-      for (int c = 0; c < ND; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], rs);
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      for (int c = 0; c < ND; ++c) {
-        const __m512 vc = _mm512_loadu_ps(vp + t * stride + 16 * c);
-        for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(chunk[g][t]), vc, acc[g][c]);
-      }
-    }
-    j += n;
-  }
-  for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.f / denom[g]);  // > 0: a query always sees itself
-    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(out + g * out_stride + 16 * c, _mm512_mul_ps(acc[g][c], inv));
-  }
-}
-
-// The rows of one token that share `kv_head`, G at a time, for head_dim = 16 * ND.
-template <int ND>
-void attend_token_avx512(const float* qs, const float* k_cache, const float* v_cache, float* out,
-                         const int32_t* block_table, int64_t pos, int64_t lo, int64_t kv_head, int64_t group,
-                         const Shapes& s) {
-  constexpr int G = ND <= 4 ? 2 : 1;  // G * ND query and accumulator registers each (32 in all)
-  int64_t g = 0;
-  for (; g + G <= group; g += G)
-    attend_rows_avx512<ND, G>(qs + g * s.head_dim, k_cache, v_cache, out + g * s.head_dim, s.head_dim,
-                              block_table, pos, lo, kv_head, s);
-  for (; g < group; ++g)
-    attend_rows_avx512<ND, 1>(qs + g * s.head_dim, k_cache, v_cache, out + g * s.head_dim, s.head_dim,
-                              block_table, pos, lo, kv_head, s);
-}
-
-// The (row, KV head) task on the AVX-512 path; false where it does not apply.
-template <typename scalar_t>
-bool attend_row_head_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, scalar_t* out,
-                            const int32_t* block_table, int64_t q0, int64_t q_len, int64_t seq_len,
-                            int64_t kv_head, const Shapes& s) {
-  if constexpr (!std::is_same_v<scalar_t, float>) {
-    return false;
-  } else {
-    const int64_t group = s.heads / s.kv_heads, nd = s.head_dim / 16;
-    if (s.head_dim % 16 != 0 || !(nd == 2 || nd == 4 || nd == 8) || group * s.head_dim > 1024) return false;
-    alignas(64) float qs[1024];  // this token's `group` query rows, scaled
-    for (int64_t i = 0; i < q_len; ++i) {
-      const int64_t pos = seq_len - q_len + i;
-      const int64_t lo = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* src = q + (q0 + i) * s.q_stride_t + (kv_head * group + g) * s.q_stride_h;
-        for (int64_t d = 0; d < s.head_dim; ++d) qs[g * s.head_dim + d] = src[d] * s.scale;
-      }
-      float* dst = out + (q0 + i) * s.o_stride_t + kv_head * group * s.head_dim;
-      switch (nd) {
-        case 2: attend_token_avx512<2>(qs, k_cache, v_cache, dst, block_table, pos, lo, kv_head, group, s); break;
-        case 4: attend_token_avx512<4>(qs, k_cache, v_cache, dst, block_table, pos, lo, kv_head, group, s); break;
-        default: attend_token_avx512<8>(qs, k_cache, v_cache, dst, block_table, pos, lo, kv_head, group, s); break;
-      }
-    }
-    return true;
-  }
-}
 // The vector steps of the slot walk (attend_heads) in 512-bit registers, for head_dim DIM.
 template <int DIM>
 struct Avx512Walk {
@@ -264,86 +161,6 @@ struct Avx512Walk {
 #endif  // __AVX512F__
 
 #if defined(__AVX2__) && defined(__FMA__)
-// fp32 rows on AVX2 + FMA (head_dim 32, 64 or 128), for CPUs without AVX-512 (the 2-core AMD EPYC
-// CI machine): 8 keys per chunk, their dot products reduced together and exponentiated in one vector
-// op. The generic path above (a horizontal sum and a scalar expf per key) is a large share of a
-// batch-16 decode step there; this path is faster on a hot cache (benchmarks/results/attention_kernel.txt)
-// but gains less in the engine, where each layer's cache is cold and is read from memory. As on
-// AVX-512, where a slot spans a page the slots are walked in order instead (attend_heads).
-
-// The 8 lane sums of a[0..7], in order.
-inline __m256 sum_lanes8(const __m256* a) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-// All query rows of one (request row, KV head) task -- its q_len tokens times the heads sharing
-// the KV head -- chunk by chunk: a chunk's keys and values are read from memory once and from L1
-// for every other row. In a decode step each layer's cache is cold (the rest of the model passed
-// through the caches since), so reading it is what bounds the kernel; a verify row of 1 + k tokens
-// would read it (1 + k) * group times one row at a time. Row r (token i = r / group) sits at
-// position first_pos + i and sees keys [lo_r, pos_r]. Scores are 8 keys at a time, the 8 dot
-// products reduced together (one horizontal-add tree, not one per key) and exponentiated in one op.
-template <int ND>
-void attend_task_avx2(const float* qs, const float* k_cache, const float* v_cache, float* out,
-                      const int32_t* block_table, int64_t first_pos, int64_t q_len, int64_t kv_head, int64_t group,
-                      const Shapes& s) {
-  const int64_t rows = q_len * group;
-  std::vector<__m256> acc(rows * ND, _mm256_setzero_ps());
-  std::vector<float> max_score(rows, -std::numeric_limits<float>::infinity()), denom(rows, 0.f);
-  alignas(32) float chunk[8];
-  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-  const int64_t bs = s.block_size, stride = s.kv_stride_slot, last = first_pos + q_len - 1;
-  auto lo_of = [&](int64_t pos) { return s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : int64_t{0}; };
-  for (int64_t j = lo_of(first_pos); j <= last;) {
-    // Keys j .. j+n-1: contiguous slots of one block.
-    const int64_t blk = j / bs, in_blk = j - blk * bs;
-    const int64_t n = std::min<int64_t>({8, bs - in_blk, last + 1 - j});
-    const int64_t slot = static_cast<int64_t>(block_table[blk]) * bs + in_blk;
-    const float* kp = k_cache + slot * stride + kv_head * s.head_dim;
-    const float* vp = v_cache + slot * stride + kv_head * s.head_dim;
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = first_pos + r / group, lo = lo_of(pos);
-      const int64_t from = std::max<int64_t>(lo - j, 0), to = std::min<int64_t>(pos + 1 - j, n);  // visible lanes
-      if (from >= to) continue;
-      const float* q = qs + r * 8 * ND;
-      __m256 dots[8];
-      for (int t = 0; t < 8; ++t) {
-        const float* kt = kp + std::min<int64_t>(t, n - 1) * stride;  // lanes past n: masked below
-        __m256 d = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kt));
-        for (int c = 1; c < ND; ++c) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(kt + 8 * c), d);
-        dots[t] = d;
-      }
-      const __m256 visible = _mm256_and_ps(_mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(from)), _CMP_GE_OQ),
-                                           _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(to)), _CMP_LT_OQ));
-      const __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), sum_lanes8(dots),
-                                         visible);
-      const float new_max = std::max(max_score[r], reduce_max8(sc));
-      const float rescale = std::exp(max_score[r] - new_max);  // 0 on the first visible chunk
-      const __m256 p = exp_nonpositive_avx2(_mm256_sub_ps(sc, _mm256_set1_ps(new_max)));
-      denom[r] = denom[r] * rescale + reduce_add8(p);
-      max_score[r] = new_max;
-      _mm256_store_ps(chunk, p);
-      __m256 a[ND];
-      __m256* ar = acc.data() + r * ND;
-      const __m256 rs = _mm256_set1_ps(rescale);
-      for (int c = 0; c < ND; ++c) a[c] = _mm256_mul_ps(ar[c], rs);
-      for (int64_t t = from; t < to; ++t) {
-        const __m256 pt = _mm256_set1_ps(chunk[t]);
-        for (int c = 0; c < ND; ++c) a[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vp + t * stride + 8 * c), a[c]);
-      }
-      for (int c = 0; c < ND; ++c) ar[c] = a[c];
-    }
-    j += n;
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m256 inv = _mm256_set1_ps(1.f / denom[r]);  // > 0: a query always sees itself
-    float* dst = out + (r / group) * s.o_stride_t + (r % group) * s.head_dim;
-    for (int c = 0; c < ND; ++c) _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(acc[r * ND + c], inv));
-  }
-}
-
 // The vector steps of the slot walk (attend_heads) in 256-bit registers, for head_dim DIM.
 template <int DIM>
 struct Avx2Walk {
@@ -391,46 +208,21 @@ struct Avx2Walk {
   }
 };
 
-// The (row, KV head) task on the AVX2 path; false where it does not apply.
-template <typename scalar_t>
-bool attend_row_head_avx2(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, scalar_t* out,
-                          const int32_t* block_table, int64_t q0, int64_t q_len, int64_t seq_len, int64_t kv_head,
-                          const Shapes& s) {
-  if constexpr (!std::is_same_v<scalar_t, float>) {
-    return false;
-  } else {
-    const int64_t group = s.heads / s.kv_heads, nd = s.head_dim / 8;
-    if (s.head_dim % 8 != 0 || !(nd == 4 || nd == 8 || nd == 16)) return false;
-    std::vector<float> qs(q_len * group * s.head_dim);  // the task's query rows, token-major, scaled
-    for (int64_t i = 0; i < q_len; ++i)
-      for (int64_t g = 0; g < group; ++g) {
-        const float* src = q + (q0 + i) * s.q_stride_t + (kv_head * group + g) * s.q_stride_h;
-        float* dst = qs.data() + (i * group + g) * s.head_dim;
-        for (int64_t d = 0; d < s.head_dim; ++d) dst[d] = src[d] * s.scale;
-      }
-    float* dst = out + q0 * s.o_stride_t + kv_head * group * s.head_dim;
-    const int64_t first_pos = seq_len - q_len;
-    switch (nd) {
-      case 4: attend_task_avx2<4>(qs.data(), k_cache, v_cache, dst, block_table, first_pos, q_len, kv_head, group, s); break;
-      case 8: attend_task_avx2<8>(qs.data(), k_cache, v_cache, dst, block_table, first_pos, q_len, kv_head, group, s); break;
-      default: attend_task_avx2<16>(qs.data(), k_cache, v_cache, dst, block_table, first_pos, q_len, kv_head, group, s); break;
-    }
-    return true;
-  }
-}
 #endif  // __AVX2__ && __FMA__
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // KV heads [h0, h1) of one request row in fp32, with head_dim DIM and the vector steps of
 // Walk<DIM> (Avx512Walk, Avx2Walk): every query row of those heads (the row's tokens times the heads
-// sharing each KV head) walks the context a chunk of at most 16 contiguous slots at a time. A slot
-// holds every KV head side by side, so one head's keys lie a slot apart: where a slot spans a page
-// (a real-size model), walked one head at a time every key is a miss that the hardware prefetcher,
-// which follows a stream within a page, does not foresee, and the walk runs at a fraction of the
-// memory's bandwidth. Here a chunk's keys, then its values, are read slot by slot, every head of
-// the slot in turn (an address stream in order), while the next chunk's slots are prefetched into
-// L2; each query row keeps its scores, running max, denominator and output accumulator in memory
-// between chunks (row r of head h, token i, group member g is ((h - h0) * q_len + i) * group + g).
+// sharing each KV head) walks the context a chunk of at most 16 contiguous slots at a time, so a
+// verify row's tokens and the heads of a group read each key and value from memory once. A slot
+// holds every KV head side by side, so one head's keys lie a slot apart: walked one head at a
+// time, where a slot spans a page (a real-size model) every key is a miss that the hardware
+// prefetcher, which follows a stream within a page, does not foresee, and where it does not (the
+// bundled model) each head's walk still reads the chunk's lines again. Here a chunk's keys, then
+// its values, are read slot by slot, every head of the slot in turn (an address stream in order),
+// while the next chunk's slots are prefetched into L2; each query row keeps its scores, running
+// max, denominator and output accumulator in memory between chunks (row r of head h, token i,
+// group member g is ((h - h0) * q_len + i) * group + g).
 template <template <int> class Walk, int DIM>
 void attend_heads(const float* q, const float* k_cache, const float* v_cache, float* out, const int32_t* block_table,
                   int64_t q0, int64_t q_len, int64_t seq_len, int64_t h0, int64_t h1, const Shapes& s) {
@@ -540,16 +332,17 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     const scalar_t* kp = k_cache.data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    // A task is a request row's KV heads [h0, h1): one head where it is walked one head at a time;
-    // where a slot spans a page and the vector paths walk its slots in order (attend_heads), as many
-    // heads as leave each thread two tasks.
-    bool by_slot = false;
+    // A task is a request row's KV heads [h0, h1): on the vector paths (attend_heads) as many heads as
+    // leave each thread two tasks, one head on the generic one.
+    bool vector_path = false;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    by_slot = s.kv_heads * s.head_dim * q.element_size() >= 4096;
+    vector_path = q.scalar_type() == at::kFloat && (s.head_dim == 32 || s.head_dim == 64 || s.head_dim == 128);
 #endif
     const int64_t splits =
-        by_slot ? std::clamp<int64_t>((2 * at::get_num_threads() + num_rows - 1) / std::max<int64_t>(num_rows, 1), 1, s.kv_heads)
-                : s.kv_heads;
+        vector_path
+            ? std::clamp<int64_t>((2 * at::get_num_threads() + num_rows - 1) / std::max<int64_t>(num_rows, 1), 1,
+                                  s.kv_heads)
+            : s.kv_heads;
     at::parallel_for(0, num_rows * splits, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / splits, part = task % splits;
@@ -558,17 +351,11 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
         if (q_len == 0) continue;
         const int32_t* table = bt + b * s.max_blocks;
 #if defined(__AVX512F__)
-        if (by_slot && attend_heads_if<Avx512Walk>(qp, kp, vp, op, table, q0, q_len, lens[b], h0, h1, s)) continue;
+        if (vector_path && attend_heads_if<Avx512Walk>(qp, kp, vp, op, table, q0, q_len, lens[b], h0, h1, s)) continue;
 #elif defined(__AVX2__) && defined(__FMA__)
-        if (by_slot && attend_heads_if<Avx2Walk>(qp, kp, vp, op, table, q0, q_len, lens[b], h0, h1, s)) continue;
+        if (vector_path && attend_heads_if<Avx2Walk>(qp, kp, vp, op, table, q0, q_len, lens[b], h0, h1, s)) continue;
 #endif
         for (int64_t h = h0; h < h1; ++h) {
-#if defined(__AVX512F__)
-          if (attend_row_head_avx512(qp, kp, vp, op, table, q0, q_len, lens[b], h, s)) continue;
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-          if (attend_row_head_avx2(qp, kp, vp, op, table, q0, q_len, lens[b], h, s)) continue;
-#endif
           attend_row_head(qp, kp, vp, op, table, q0, q_len, lens[b], h, s);
         }
       }
